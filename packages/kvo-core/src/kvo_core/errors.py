@@ -8,7 +8,7 @@ class KvoError(Exception):
 
 
 class ConfigError(KvoError, ValueError):
-    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+    """A configuration value is invalid; the message names the field, the value and the allowed."""
 
 
 class PlanError(KvoError, ValueError):

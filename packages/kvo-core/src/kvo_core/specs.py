@@ -7,6 +7,7 @@ hashable values and equality is the compatibility test.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import attrs
 import torch
@@ -17,6 +18,15 @@ from kvo_core.errors import ConfigError
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _as_shape(value: Iterable[int]) -> tuple[int, ...]:
+    """A tuple from any iterable shape; a clear error (not a TypeError) for a bare number."""
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ConfigError(
+            f"token_shape must be a non-empty tuple of positive integers, got {value!r}") from None
 
 
 def _token_shape(instance: object, attribute: attrs.Attribute[tuple[int, ...]],
@@ -40,7 +50,7 @@ class CacheSpec:
     """
 
     block_size: int = attrs.field(validator=_positive)
-    token_shape: tuple[int, ...] = attrs.field(converter=tuple, validator=_token_shape)
+    token_shape: tuple[int, ...] = attrs.field(converter=_as_shape, validator=_token_shape)
     dtype: torch.dtype = attrs.field(validator=_dtype)
 
     @property
@@ -49,7 +59,7 @@ class CacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.elements_per_token * self.dtype.itemsize
+        return self.elements_per_token * int(self.dtype.itemsize)
 
     @property
     def bytes_per_block(self) -> int:
@@ -57,12 +67,14 @@ class CacheSpec:
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
         """Bytes of whole blocks needed to hold ``num_tokens`` tokens (paged allocation)."""
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ConfigError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
         return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
 
 
 @attrs.frozen
 class LayerSpec:
-    """The caches one attention layer owns: main KV, and optionally an indexer and its int8 scale."""
+    """The caches one attention layer owns: main KV, optionally an indexer and its int8 scale."""
 
     name: str
     index: int
@@ -71,8 +83,15 @@ class LayerSpec:
     indexer_scale: CacheSpec | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.index < 0:
-            raise ConfigError(f"layer {self.name!r}: index must be >= 0, got {self.index}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"layer name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+            raise ConfigError(
+                f"layer {self.name!r}: index must be an integer >= 0, got {self.index!r}")
+        for field, part in (("main", self.main), ("indexer", self.indexer),
+                            ("indexer_scale", self.indexer_scale)):
+            if not (isinstance(part, CacheSpec) or (part is None and field != "main")):
+                raise ConfigError(f"layer {self.name!r}: {field} must be a CacheSpec, got {part!r}")
         if self.indexer_scale is not None and self.indexer is None:
             raise ConfigError(
                 f"layer {self.name!r}: an indexer_scale spec needs an indexer spec")

@@ -1,0 +1,271 @@
+"""Completion gates: when a physical buffer may be overwritten, and when a request is done.
+
+A physical KV buffer is shared by several logical layers (see ``kvo_core.buffer_plan``), so
+completion is tracked per physical slot, keyed by the tuple of its base addresses: every
+layer aliasing that storage computes the same key and therefore waits on the same gate.
+
+A slot's life is a sequence of rounds. ``close(key, parts)`` starts a round: the slot is busy
+until every part (the store save, each remote reader, ...) has reported. ``mark_done`` and
+``mark_failed`` report parts; ``wait`` blocks until the round ends. The first failure ends the
+round for every waiter with that error, so a failed save or read fails the request instead of
+letting a later layer overwrite data someone still needs.
+
+Decisions, so callers can rely on them:
+
+- ``close`` on a slot whose round is still running (parts pending, no failure) raises
+  GateStateError: overwriting would race with its consumers. ``close`` on an open or failed
+  slot starts a new round; parts that never reported in a failed round are abandoned.
+- ``close`` with no parts leaves the slot open (nothing reads the new content).
+- A report for a part that is not pending in the slot's current round is ignored and the call
+  returns False: it is a repeated acknowledgement (retries happen on the wire) or a late one
+  from an abandoned round, and it must not kill the reporting thread. A misspelt part name is
+  still visible: the round then never opens and ``wait``'s timeout names the missing part.
+  To keep late reports from matching a new round, use part names unique per round (e.g. with
+  the request id). A report for a slot that was never closed is a bug and raises.
+- ``wait`` timing out is only an observation: the round keeps running. To give up on a part,
+  report it with ``mark_failed`` (e.g. with the SlotTimeoutError); then ``close`` may start a
+  new round.
+- A never-closed slot is open: fresh storage has no consumers.
+
+Request completion (``RequestCompletionTracker``) is separate: it decides when a request's
+transfers are over, not when memory may be reused.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable
+
+import attrs
+
+from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
+
+SlotKey = tuple[int, ...]
+"""Base addresses of a physical slot's tensors; layers aliasing the storage share the key."""
+
+
+class GateStateError(KvoError, RuntimeError):
+    """A gate was used out of order (closing a busy slot, reporting on a never-closed slot...)."""
+
+
+def _check_key(key: SlotKey) -> SlotKey:
+    if (not isinstance(key, tuple) or not key
+            or any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in key)):
+        raise TypeError(f"a slot key must be a non-empty tuple of base addresses "
+                        f"(non-negative ints), got {key!r}")
+    return key
+
+
+def _check_part(part: str) -> str:
+    if not isinstance(part, str) or not part:
+        raise TypeError(f"a part name must be a non-empty string, got {part!r}")
+    return part
+
+
+def slot_name(key: SlotKey) -> str:
+    """Readable slot name for messages: its base addresses in hex."""
+    return "(" + ", ".join(f"{address:#x}" for address in key) + ")"
+
+
+def _describe_error(error: str | BaseException) -> str:
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"
+    return str(error)
+
+
+@attrs.define
+class _Round:
+    """One close..open cycle of a slot; waiters hold on to the round they started waiting on."""
+
+    expected: frozenset[str]
+    pending: set[str]
+    failed_part: str | None = None
+    error: str | BaseException | None = None
+
+    @property
+    def over(self) -> bool:
+        return not self.pending or self.error is not None
+
+
+class SlotGates:
+    """Thread-safe completion gates for physical buffer slots (rules in the module docstring)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._rounds: dict[SlotKey, _Round] = {}
+
+    def close(self, key: SlotKey, parts: Iterable[str]) -> None:
+        """Mark the slot busy until every one of ``parts`` reports."""
+        key = _check_key(key)
+        expected = frozenset(_check_part(p) for p in parts)
+        with self._changed:
+            current = self._rounds.get(key)
+            if current is not None and not current.over:
+                raise GateStateError(
+                    f"slot {slot_name(key)} is still busy (waiting for "
+                    f"{_names(current.pending)}); wait for it before closing it again")
+            self._rounds[key] = _Round(expected=expected, pending=set(expected))
+            self._changed.notify_all()
+
+    def mark_done(self, key: SlotKey, part: str) -> bool:
+        """Report that ``part`` no longer needs the slot; False if the report was ignored."""
+        return self._report(key, part, None)
+
+    def mark_failed(self, key: SlotKey, part: str, error: str | BaseException) -> bool:
+        """Report that ``part`` failed; the first failure is raised to every waiter."""
+        return self._report(key, part, error)
+
+    def _report(self, key: SlotKey, part: str, error: str | BaseException | None) -> bool:
+        key = _check_key(key)
+        part = _check_part(part)
+        with self._changed:
+            current = self._rounds.get(key)
+            if current is None:
+                raise GateStateError(
+                    f"part {part!r} reported on slot {slot_name(key)}, which was never closed")
+            if part not in current.pending:
+                return False
+            current.pending.discard(part)
+            if error is not None and current.error is None:
+                current.error = error
+                current.failed_part = part
+            self._changed.notify_all()
+            return True
+
+    def wait(self, key: SlotKey, timeout: float | None) -> None:
+        """Block until the slot's current round ends (``timeout`` seconds; None = forever).
+
+        Raises SlotFailedError if a part failed, SlotTimeoutError (naming the slot and the
+        parts still missing) if the deadline passes first.
+        """
+        key = _check_key(key)
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or a number >= 0 seconds, got {timeout!r}")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            current = self._rounds.get(key)
+            if current is None:
+                return
+            while not current.over:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise SlotTimeoutError(
+                        f"slot {slot_name(key)} was not released within {timeout:g} s; "
+                        f"still waiting for {_names(current.pending)}")
+                self._changed.wait(remaining)
+            if current.error is not None:
+                raise _failure(key, current.failed_part, current.error)
+
+    def is_open(self, key: SlotKey) -> bool:
+        """True when the slot may be overwritten: never closed, or every part reported ok."""
+        key = _check_key(key)
+        with self._changed:
+            current = self._rounds.get(key)
+            return current is None or (not current.pending and current.error is None)
+
+    def pending(self, key: SlotKey) -> frozenset[str]:
+        """Parts of the current round that have not reported yet."""
+        key = _check_key(key)
+        with self._changed:
+            current = self._rounds.get(key)
+            return frozenset() if current is None else frozenset(current.pending)
+
+    def error(self, key: SlotKey) -> str | None:
+        """The first failure of the current round, described, or None."""
+        key = _check_key(key)
+        with self._changed:
+            current = self._rounds.get(key)
+            if current is None or current.error is None:
+                return None
+            return f"{current.failed_part}: {_describe_error(current.error)}"
+
+
+def _failure(key: SlotKey, part: str | None, cause: str | BaseException) -> SlotFailedError:
+    """A fresh exception per waiter (one instance raised in several threads would share a
+    traceback), chained to the reported exception when there is one."""
+    error = SlotFailedError(
+        f"slot {slot_name(key)}: part {part!r} failed: {_describe_error(cause)}")
+    if isinstance(cause, BaseException):
+        error.__cause__ = cause
+    return error
+
+
+def _names(parts: Iterable[str]) -> str:
+    return ", ".join(sorted(parts)) or "(nothing)"
+
+
+@attrs.define
+class _Request:
+    pending: set[str]
+    error: str | None = None
+
+
+class RequestCompletionTracker:
+    """Thread-safe: which requests have finished all their transfer parts, and which failed.
+
+    A request is finished once every expected part has reported, done or failed; it is
+    reported as failed (with its first error) if any part failed. Waiting for every part even
+    after a failure keeps a request's blocks alive while some reader may still use them; a
+    part that will never report (lost acknowledgement) must be reported failed by the caller's
+    deadline. Reports for unknown or already reported parts are ignored (returning False), for
+    the same reasons as in SlotGates.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+
+    def expect(self, request_id: str, parts: Iterable[str]) -> None:
+        """Start tracking ``request_id``; with no parts it is finished at once."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"a request id must be a non-empty string, got {request_id!r}")
+        expected = {_check_part(p) for p in parts}
+        with self._lock:
+            if request_id in self._requests:
+                raise GateStateError(
+                    f"request {request_id!r} is already tracked (its parts: "
+                    f"{_names(self._requests[request_id].pending)} still pending, or it has "
+                    f"finished and was not popped yet)")
+            self._requests[request_id] = _Request(pending=expected)
+
+    def mark_done(self, request_id: str, part: str) -> bool:
+        return self._report(request_id, part, None)
+
+    def mark_failed(self, request_id: str, part: str, error: str | BaseException) -> bool:
+        return self._report(request_id, part, _describe_error(error))
+
+    def _report(self, request_id: str, part: str, error: str | None) -> bool:
+        part = _check_part(part)
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or part not in request.pending:
+                return False
+            request.pending.discard(part)
+            if error is not None and request.error is None:
+                request.error = f"{part}: {error}"
+            return True
+
+    def pending(self, request_id: str) -> frozenset[str]:
+        """Parts of ``request_id`` that have not reported (empty if unknown or finished)."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            return frozenset() if request is None else frozenset(request.pending)
+
+    def pop_finished(self) -> tuple[set[str], dict[str, str]]:
+        """Requests finished since the last call: (ids that succeeded, failed id -> error)."""
+        succeeded: set[str] = set()
+        failed: dict[str, str] = {}
+        with self._lock:
+            for request_id, request in list(self._requests.items()):
+                if request.pending:
+                    continue
+                del self._requests[request_id]
+                if request.error is None:
+                    succeeded.add(request_id)
+                else:
+                    failed[request_id] = request.error
+        return succeeded, failed

@@ -1,0 +1,389 @@
+"""Slot completion gates and the request completion tracker, exercised from real threads."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+
+from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
+from kvo_core.gates import GateStateError, RequestCompletionTracker, SlotGates, slot_name
+
+KEY = (0x7F00_0000_1000, 0x7F00_0000_2000)
+JOIN_S = 10.0  # generous bound so a broken gate fails the test instead of hanging CI
+
+
+class Waiter(threading.Thread):
+    """Calls gates.wait in a thread and records what happened."""
+
+    def __init__(self, gates: SlotGates, key: tuple[int, ...], timeout: float | None = JOIN_S):
+        super().__init__(daemon=True)
+        self.gates, self.key, self.timeout = gates, key, timeout
+        self.error: BaseException | None = None
+        self.returned = False
+
+    def run(self) -> None:
+        try:
+            self.gates.wait(self.key, self.timeout)
+            self.returned = True
+        except BaseException as error:
+            self.error = error
+
+
+def start_waiters(gates: SlotGates, key: tuple[int, ...], n: int) -> list[Waiter]:
+    waiters = [Waiter(gates, key) for _ in range(n)]
+    for w in waiters:
+        w.start()
+    return waiters
+
+
+def join_all(threads: list[Waiter]) -> None:
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive(), "a waiter is still blocked"
+
+
+def assert_still_blocked(threads: list[Waiter]) -> None:
+    for t in threads:
+        t.join(0.05)
+        assert t.is_alive() and not t.returned and t.error is None
+
+
+# -- SlotGates -----------------------------------------------------------------------------
+
+
+def test_a_fresh_slot_is_open() -> None:
+    gates = SlotGates()
+    assert gates.is_open(KEY)
+    assert gates.pending(KEY) == frozenset()
+    gates.wait(KEY, 0)
+    assert gates.error(KEY) is None
+
+
+def test_waiters_are_released_when_every_part_is_done() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d0", "read:d1"])
+    assert not gates.is_open(KEY)
+    assert gates.pending(KEY) == {"save", "read:d0", "read:d1"}
+    waiters = start_waiters(gates, KEY, 3)
+
+    assert gates.mark_done(KEY, "save") is True
+    assert gates.mark_done(KEY, "read:d1") is True
+    assert_still_blocked(waiters)
+    assert gates.pending(KEY) == {"read:d0"}
+
+    assert gates.mark_done(KEY, "read:d0") is True
+    join_all(waiters)
+    assert all(w.returned and w.error is None for w in waiters)
+    assert gates.is_open(KEY)
+
+
+def test_first_error_reaches_every_waiter() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d0"])
+    waiters = start_waiters(gates, KEY, 4)
+    assert_still_blocked(waiters)
+    cause = ConnectionError("peer vanished")
+    gates.mark_failed(KEY, "read:d0", cause)
+    gates.mark_failed(KEY, "save", "store full")  # a later error does not replace the first
+    join_all(waiters)
+
+    errors = [w.error for w in waiters]
+    assert all(isinstance(e, SlotFailedError) for e in errors)
+    assert len({id(e) for e in errors}) == len(errors), "each waiter gets its own exception"
+    for e in errors:
+        assert str(e) == ("slot (0x7f0000001000, 0x7f0000002000): part 'read:d0' failed: "
+                          "ConnectionError: peer vanished")
+        assert e is not None and e.__cause__ is cause
+    assert not gates.is_open(KEY)
+    assert gates.error(KEY) == "read:d0: ConnectionError: peer vanished"
+    with pytest.raises(SlotFailedError, match="peer vanished"):
+        gates.wait(KEY, 0)
+
+
+def test_failure_wakes_waiters_even_with_parts_still_pending() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d0", "read:d1"])
+    waiters = start_waiters(gates, KEY, 2)
+    gates.mark_failed(KEY, "save", "disk error")
+    join_all(waiters)
+    assert all(isinstance(w.error, SlotFailedError) for w in waiters)
+    assert gates.pending(KEY) == {"read:d0", "read:d1"}
+
+
+def test_timeout_names_the_slot_and_the_missing_parts() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d1", "read:d0"])
+    gates.mark_done(KEY, "save")
+    with pytest.raises(SlotTimeoutError) as caught:
+        gates.wait(KEY, 0.05)
+    message = str(caught.value)
+    assert message == ("slot (0x7f0000001000, 0x7f0000002000) was not released within 0.05 s; "
+                       "still waiting for read:d0, read:d1")
+    assert isinstance(caught.value, TimeoutError) and isinstance(caught.value, KvoError)
+    # a timeout is only an observation: the round keeps running and can still complete
+    assert gates.pending(KEY) == {"read:d0", "read:d1"}
+    gates.mark_done(KEY, "read:d0")
+    gates.mark_done(KEY, "read:d1")
+    gates.wait(KEY, 0)
+
+
+def test_aliased_layers_share_one_gate() -> None:
+    # Two logical layers whose caches alias the same storage compute the same key.
+    storage = torch.zeros(4, 16, 8)
+    main_kv_layer_1 = storage.view(4, 128)
+    main_kv_layer_3 = storage.view(64, 8)
+    other = torch.zeros(4, 16, 8)
+
+    def key_of(*tensors: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in tensors)
+
+    gates = SlotGates()
+    gates.close(key_of(main_kv_layer_1), ["save"])
+    assert key_of(main_kv_layer_3) == key_of(main_kv_layer_1)
+    waiter = Waiter(gates, key_of(main_kv_layer_3))
+    waiter.start()
+    assert_still_blocked([waiter])
+    assert gates.is_open(key_of(other))  # distinct storage, distinct gate
+    gates.mark_done(key_of(main_kv_layer_1), "save")
+    join_all([waiter])
+    assert waiter.returned
+
+
+def test_closing_a_busy_slot_is_an_error() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d0"])
+    with pytest.raises(GateStateError,
+                       match=r"slot \(0x7f0000001000, 0x7f0000002000\) is still busy "
+                             r"\(waiting for read:d0, save\)"):
+        gates.close(KEY, ["save"])
+    assert gates.pending(KEY) == {"save", "read:d0"}
+
+
+def test_close_after_open_or_failure_starts_a_new_round() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save@r1"])
+    gates.mark_done(KEY, "save@r1")
+    gates.close(KEY, ["save@r2", "read@r2"])
+    assert gates.pending(KEY) == {"save@r2", "read@r2"}
+
+    gates.mark_failed(KEY, "save@r2", "boom")
+    gates.close(KEY, ["save@r3"])  # the failure was delivered; read@r2 is abandoned
+    assert gates.error(KEY) is None
+    assert gates.mark_done(KEY, "read@r2") is False  # late report of the abandoned round
+    assert gates.pending(KEY) == {"save@r3"}
+    gates.mark_done(KEY, "save@r3")
+    gates.wait(KEY, 0)
+
+
+def test_closing_with_no_parts_leaves_the_slot_open() -> None:
+    gates = SlotGates()
+    gates.close(KEY, [])
+    assert gates.is_open(KEY)
+    gates.wait(KEY, 0)
+
+
+def test_repeated_and_unknown_reports_are_ignored() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save", "read:d0"])
+    assert gates.mark_done(KEY, "save") is True
+    assert gates.mark_done(KEY, "save") is False
+    assert gates.mark_failed(KEY, "save", "late failure after done") is False
+    assert gates.mark_done(KEY, "read:d9") is False
+    assert gates.error(KEY) is None
+    assert gates.pending(KEY) == {"read:d0"}
+
+
+def test_reporting_on_a_never_closed_slot_is_an_error() -> None:
+    gates = SlotGates()
+    with pytest.raises(GateStateError, match=r"part 'save' reported on slot \(0x10\), which "
+                                             r"was never closed"):
+        gates.mark_done((0x10,), "save")
+
+
+@pytest.mark.parametrize("key", [(), [0x10], (0x10, -1), (True,), ("0x10",), 0x10])
+def test_bad_keys(key: object) -> None:
+    with pytest.raises(TypeError, match="a slot key must be a non-empty tuple"):
+        SlotGates().close(key, ["save"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("parts", [[""], [None], ["save", 3]])
+def test_bad_part_names(parts: list[object]) -> None:
+    with pytest.raises(TypeError, match="a part name must be a non-empty string"):
+        SlotGates().close(KEY, parts)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_bad_timeouts(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be None or a number >= 0"):
+        SlotGates().wait(KEY, timeout)
+
+
+def test_infinite_timeout_waits_like_none() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["save"])
+    waiter = Waiter(gates, KEY, timeout=float("inf"))
+    waiter.start()
+    assert_still_blocked([waiter])
+    gates.mark_done(KEY, "save")
+    join_all([waiter])
+    assert waiter.returned
+
+
+def test_a_waiter_sees_the_outcome_of_the_round_it_waited_for() -> None:
+    # The round ends and a new one starts before the waiter gets the lock back; the waiter must
+    # return (its round is over) instead of waiting on the next round. Holding the gates' lock
+    # (reentrant) makes the interleaving deterministic.
+    gates = SlotGates()
+    gates.close(KEY, ["save@r1"])
+    waiter = Waiter(gates, KEY)
+    waiter.start()
+    assert_still_blocked([waiter])
+    with gates._changed:
+        gates.mark_done(KEY, "save@r1")
+        gates.close(KEY, ["save@r2"])
+    join_all([waiter])
+    assert waiter.returned
+    assert not gates.is_open(KEY)
+
+
+def test_slot_name() -> None:
+    assert slot_name((255, 4096)) == "(0xff, 0x1000)"
+
+
+def test_concurrent_rounds_on_many_slots() -> None:
+    """Prefill-like threads cycle their slots while reporter threads acknowledge parts in
+    random order; every wait must end exactly when its round does, with the right outcome."""
+    gates = SlotGates()
+    rounds, parts_per_round, slots = 40, 3, 6
+    work: queue.Queue[tuple[Callable[[], bool], set[str], str] | None] = queue.Queue()
+    problems: list[str] = []
+    rng = random.Random(1234)
+    plans = {s: [rng.random() < 0.2 for _ in range(rounds)] for s in range(slots)}
+
+    def reporter() -> None:
+        while (item := work.get()) is not None:
+            report, reported, part = item
+            reported.add(part)
+            report()
+
+    def prefill(slot: int) -> None:
+        key = (0x1000 * (slot + 1),)
+        for r, fail in enumerate(plans[slot]):
+            parts = [f"s{slot}r{r}p{j}" for j in range(parts_per_round)]
+            reported: set[str] = set()
+            gates.close(key, parts)
+            for j, part in enumerate(parts):
+                if fail and j == 0:
+                    report = partial(gates.mark_failed, key, part, "injected")
+                else:
+                    report = partial(gates.mark_done, key, part)
+                work.put((report, reported, part))
+            try:
+                gates.wait(key, JOIN_S)
+            except SlotFailedError:
+                if not fail:
+                    problems.append(f"slot {slot} round {r}: unexpected failure")
+                continue
+            except SlotTimeoutError as error:
+                problems.append(f"slot {slot} round {r}: {error}")
+                return
+            if fail:
+                problems.append(f"slot {slot} round {r}: failure was not reported")
+            if reported != set(parts):
+                problems.append(f"slot {slot} round {r}: opened before all parts reported")
+
+    reporters = [threading.Thread(target=reporter, daemon=True) for _ in range(4)]
+    producers = [threading.Thread(target=prefill, args=(s,), daemon=True) for s in range(slots)]
+    for t in reporters + producers:
+        t.start()
+    for t in producers:
+        t.join(4 * JOIN_S)
+        assert not t.is_alive(), "a prefill thread hung"
+    for _ in reporters:
+        work.put(None)
+    for t in reporters:
+        t.join(JOIN_S)
+        assert not t.is_alive()
+    assert problems == []
+
+
+# -- RequestCompletionTracker --------------------------------------------------------------
+
+
+def test_request_finishes_when_all_parts_are_done() -> None:
+    tracker = RequestCompletionTracker()
+    tracker.expect("req-1", ["layer0", "layer1"])
+    tracker.expect("req-2", ["layer0"])
+    assert tracker.mark_done("req-1", "layer0") is True
+    assert tracker.pop_finished() == (set(), {})
+    assert tracker.pending("req-1") == {"layer1"}
+    tracker.mark_done("req-1", "layer1")
+    tracker.mark_done("req-2", "layer0")
+    assert tracker.pop_finished() == ({"req-1", "req-2"}, {})
+    assert tracker.pop_finished() == (set(), {})
+    assert tracker.pending("req-1") == frozenset()
+
+
+def test_failed_request_is_reported_once_every_part_reported() -> None:
+    tracker = RequestCompletionTracker()
+    tracker.expect("req-1", ["read:d0", "read:d1"])
+    tracker.mark_failed("req-1", "read:d0", ValueError("bad block"))
+    assert tracker.pop_finished() == (set(), {}), "read:d1 may still be using the blocks"
+    tracker.mark_failed("req-1", "read:d1", "timeout")
+    assert tracker.pop_finished() == (set(), {"req-1": "read:d0: ValueError: bad block"})
+
+
+def test_request_with_no_parts_finishes_at_once() -> None:
+    tracker = RequestCompletionTracker()
+    tracker.expect("req-1", [])
+    assert tracker.pop_finished() == ({"req-1"}, {})
+
+
+def test_request_id_reuse_and_stray_reports() -> None:
+    tracker = RequestCompletionTracker()
+    tracker.expect("req-1", ["a"])
+    with pytest.raises(GateStateError, match="request 'req-1' is already tracked"):
+        tracker.expect("req-1", ["b"])
+    assert tracker.mark_done("req-1", "zzz") is False
+    assert tracker.mark_done("req-9", "a") is False
+    tracker.mark_done("req-1", "a")
+    assert tracker.mark_done("req-1", "a") is False
+    with pytest.raises(GateStateError, match="already tracked"):
+        tracker.expect("req-1", ["a"])  # finished but not popped yet
+    assert tracker.pop_finished() == ({"req-1"}, {})
+    tracker.expect("req-1", ["a"])  # popped: the id may be used again
+    with pytest.raises(TypeError, match="request id must be a non-empty string"):
+        tracker.expect("", ["a"])
+
+
+def test_tracker_under_concurrent_reports() -> None:
+    tracker = RequestCompletionTracker()
+    requests = {f"req-{i}": [f"p{j}" for j in range(8)] for i in range(30)}
+    for request_id, parts in requests.items():
+        tracker.expect(request_id, parts)
+    reports = [(r, p) for r, parts in requests.items() for p in parts]
+    random.Random(7).shuffle(reports)
+    failing = {"req-3", "req-17"}
+
+    def report(chunk: list[tuple[str, str]]) -> None:
+        for request_id, part in chunk:
+            if request_id in failing and part == "p5":
+                tracker.mark_failed(request_id, part, "lost")
+            else:
+                tracker.mark_done(request_id, part)
+
+    threads = [threading.Thread(target=report, args=(reports[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive()
+    succeeded, failed = tracker.pop_finished()
+    assert succeeded == set(requests) - failing
+    assert failed == {r: "p5: lost" for r in failing}
