@@ -1,0 +1,264 @@
+"""Configuration of the offload connectors, validated when built.
+
+vLLM hands each connector a ``kv_connector_extra_config`` dict; :meth:`from_extra_config`
+turns it into one of these frozen objects. Every value is checked on construction, so a typo
+or an impossible setting fails at start-up with a message naming the key, the value and what
+is allowed, instead of surfacing as a hang or a wrong size deep inside a transfer. Key names
+in the dict are exactly the field names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeVar
+
+import attrs
+
+from kvo_core.errors import ConfigError
+
+MAX_HOT_CAPACITY = 32640
+"""Largest hot-buffer capacity the fused ops address (15-bit slot ids, block aligned)."""
+MAX_QUERY_ROWS = 14
+"""Most query rows per request the fused ops accept (1 + speculative tokens)."""
+MAX_READ_RETRIES = 16
+MIN_SEGMENT_BYTES = 16 * 1024 * 1024
+"""Mooncake Store rejects client segments below 16 MiB."""
+
+STORE_BACKENDS = ("mooncake", "memcache")
+TRANSFER_BACKENDS = ("mooncake", "memfabric")
+MEMFABRIC_PROTOCOLS = ("sdma", "device_rdma", "device_urma")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+INDEXER_KV_DTYPES = ("bfloat16", "int8")
+KERNEL_BACKENDS = ("auto", "reference", "triton", "native")
+RESIDENCY_BACKENDS = ("torch", "native")
+
+_T = TypeVar("_T", bound=attrs.AttrsInstance)
+_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+# -- validators: each error names the field, the value and what is allowed -----------------
+
+def _int_in(minimum: int, maximum: int | None = None) -> _Validator:
+    allowed = (f"an integer >= {minimum}" if maximum is None
+               else f"an integer in [{minimum}, {maximum}]")
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+                or (maximum is not None and value > maximum)):
+            raise ConfigError(f"{attribute.name} must be {allowed}, got {value!r}")
+    return check
+
+
+def _optional_int_in(minimum: int) -> _Validator:
+    inner = _int_in(minimum)
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            inner(instance, attribute, value)
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> _Validator:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{attribute.name} must be one of {', '.join(choices)}; "
+                              f"got {value!r}")
+    return check
+
+
+def _to_float(value: Any) -> Any:
+    """Accept ints for float fields (JSON writes 100 for 100.0); the check sees anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _positive_float(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, float) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"{attribute.name} must be a finite number of seconds > 0, "
+                          f"got {value!r}")
+
+
+def _non_negative_float(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, float) or not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{attribute.name} must be a finite number of seconds >= 0, "
+                          f"got {value!r}")
+
+
+def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{attribute.name} must be a non-empty string, got {value!r}")
+
+
+def _optional_non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _non_empty_str(instance, attribute, value)
+
+
+def _to_independent_layers(value: Any) -> Any:
+    """Lists (as JSON gives them) become tuples; "all" and anything invalid pass through."""
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _independent_layers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    allowed = "a list of layer indices (integers; negative counts from the end) or 'all'"
+    if value == "all":
+        return
+    if not isinstance(value, tuple):
+        raise ConfigError(f"{attribute.name} must be {allowed}, got {value!r}")
+    for entry in value:
+        if not isinstance(entry, int) or isinstance(entry, bool):
+            raise ConfigError(f"{attribute.name} must be {allowed}; entry {entry!r} of "
+                              f"{list(value)!r} is not an integer")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{attribute.name} must list each layer once, got {list(value)!r}")
+
+
+# -- building from vLLM's kv_connector_extra_config -----------------------------------------
+
+def _from_mapping(cls: type[_T], extra: Mapping[str, Any], ignore_keys: Iterable[str]) -> _T:
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{cls.__name__}: kv_connector_extra_config must be a mapping of "
+                          f"option names to values, got {type(extra).__name__}")
+    fields = attrs.fields(cls)
+    known = [field.name for field in fields]
+    ignored = set(ignore_keys)
+    kwargs: dict[str, Any] = {}
+    for key, value in extra.items():
+        if key in ignored:
+            continue
+        if key not in known:
+            raise ConfigError(f"{cls.__name__}: unknown kv_connector_extra_config key {key!r}; "
+                              f"known keys: {', '.join(known)}")
+        kwargs[key] = value
+    missing = [field.name for field in fields
+               if field.default is attrs.NOTHING and field.name not in kwargs]
+    if missing:
+        raise ConfigError(f"{cls.__name__}: kv_connector_extra_config is missing the required "
+                          f"key(s) {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def _to_mapping(instance: attrs.AttrsInstance) -> dict[str, Any]:
+    """The inverse of ``from_extra_config``: JSON-friendly values (tuples become lists)."""
+    result: dict[str, Any] = {}
+    for field in attrs.fields(type(instance)):
+        value = getattr(instance, field.name)
+        result[field.name] = list(value) if isinstance(value, tuple) else value
+    return result
+
+
+@attrs.frozen
+class LayerwiseOffloadConfig:
+    """Layerwise prefill offload: few reusable device layer buffers, full KV in a host store.
+
+    ``shared_buffers`` physical buffers are reused round robin by the non-independent layers;
+    ``independent_layers`` keep a buffer of their own. ``layer_deadline_s`` bounds the wait for a
+    buffer's previous save (and remote reads) before it is reused, so a lost acknowledgement fails
+    the request instead of hanging prefill.
+    """
+
+    shared_buffers: int = attrs.field(default=2, validator=_int_in(1))
+    independent_layers: tuple[int, ...] | Literal["all"] = attrs.field(
+        default=(0,), converter=_to_independent_layers, validator=_independent_layers)
+    prefetch_depth: int = attrs.field(default=1, validator=_int_in(0, 64))
+    store_backend: str = attrs.field(default="mooncake", validator=_one_of(STORE_BACKENDS))
+    store_master_address: str | None = attrs.field(default=None,
+                                                   validator=_optional_non_empty_str)
+    store_protocol: str = attrs.field(default="tcp", validator=_one_of(MOONCAKE_PROTOCOLS))
+    store_segment_bytes: int = attrs.field(default=256 * 1024 * 1024,
+                                           validator=_int_in(MIN_SEGMENT_BYTES))
+    local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
+    layer_deadline_s: float = attrs.field(default=60.0, converter=_to_float,
+                                          validator=_positive_float)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *,
+                          ignore_keys: Iterable[str] = ()) -> LayerwiseOffloadConfig:
+        """Build from ``kv_connector_extra_config``; unknown keys are an error.
+
+        ``ignore_keys`` names keys that belong to another component sharing the dict.
+        """
+        return _from_mapping(cls, extra, ignore_keys)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return _to_mapping(self)
+
+
+@attrs.frozen
+class SparseDecodeOffloadConfig:
+    """Sparse decode offload: full main KV in host memory, top-k hot buffers on the device.
+
+    The hot buffer of a decode row must hold one step's whole top-k (``hot_capacity >= top_k``),
+    is allocated in cache blocks (a multiple of ``block_size``) and is addressed with 15-bit slot
+    ids (``<= 32640``). ``host_pool_bytes`` None sizes the host pool from the model length and
+    the scheduler's row count at start-up.
+    """
+
+    top_k: int = attrs.field(default=2048, validator=_int_in(1))
+    block_size: int = attrs.field(default=128, validator=_int_in(1))
+    hot_capacity: int = attrs.field(default=8192, validator=_int_in(1, MAX_HOT_CAPACITY))
+    host_pool_bytes: int | None = attrs.field(default=None, validator=_optional_int_in(1))
+    max_query_rows: int = attrs.field(default=MAX_QUERY_ROWS,
+                                      validator=_int_in(1, MAX_QUERY_ROWS))
+    indexer_kv_dtype: str = attrs.field(default="bfloat16", validator=_one_of(INDEXER_KV_DTYPES))
+    kernel_backend: str = attrs.field(default="auto", validator=_one_of(KERNEL_BACKENDS))
+    residency_backend: str = attrs.field(default="torch", validator=_one_of(RESIDENCY_BACKENDS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.hot_capacity < self.top_k:
+            raise ConfigError(
+                f"hot_capacity must be >= top_k ({self.top_k}) so one step's selection fits, "
+                f"got {self.hot_capacity}")
+        if self.hot_capacity % self.block_size != 0:
+            lower = self.hot_capacity - self.hot_capacity % self.block_size
+            raise ConfigError(
+                f"hot_capacity must be a multiple of block_size ({self.block_size}), got "
+                f"{self.hot_capacity}; nearest allowed: {max(lower, self.block_size)} or "
+                f"{lower + self.block_size}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *,
+                          ignore_keys: Iterable[str] = ()) -> SparseDecodeOffloadConfig:
+        """Build from ``kv_connector_extra_config``; unknown keys are an error."""
+        return _from_mapping(cls, extra, ignore_keys)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return _to_mapping(self)
+
+
+@attrs.frozen
+class RemoteD2HConfig:
+    """Remote device-to-host pulls between prefill and decode (the P/D control and data plane).
+
+    ``kv_port`` is the first decode control port (``kv_port + dp_rank * decode_tp + tp_rank``).
+    ``handshake_timeout_s`` bounds the MF_META exchange, ``layer_deadline_s`` one layer's
+    completion (all reads acknowledged); a failed read is retried up to ``read_retries`` times,
+    ``retry_backoff_s`` apart. ``memfabric_transfer_protocol`` only matters for the memfabric
+    backend and must be equal on prefill and decode; ``mooncake_protocol`` likewise for mooncake.
+    """
+
+    kv_port: int = attrs.field(validator=_int_in(1, 65535))
+    handshake_timeout_s: float = attrs.field(default=100.0, converter=_to_float,
+                                             validator=_positive_float)
+    layer_deadline_s: float = attrs.field(default=60.0, converter=_to_float,
+                                          validator=_positive_float)
+    read_retries: int = attrs.field(default=2, validator=_int_in(0, MAX_READ_RETRIES))
+    retry_backoff_s: float = attrs.field(default=0.05, converter=_to_float,
+                                         validator=_non_negative_float)
+    transfer_backend: str = attrs.field(default="mooncake", validator=_one_of(TRANSFER_BACKENDS))
+    memfabric_transfer_protocol: str = attrs.field(default="sdma",
+                                                   validator=_one_of(MEMFABRIC_PROTOCOLS))
+    mooncake_protocol: str = attrs.field(default="tcp", validator=_one_of(MOONCAKE_PROTOCOLS))
+    local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *,
+                          ignore_keys: Iterable[str] = ()) -> RemoteD2HConfig:
+        """Build from ``kv_connector_extra_config``; ``kv_port`` is required."""
+        return _from_mapping(cls, extra, ignore_keys)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return _to_mapping(self)
