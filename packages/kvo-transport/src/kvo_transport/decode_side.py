@@ -1,0 +1,478 @@
+"""Decode side of the control plane: a ZMQ ROUTER that accepts prefill ranks and pulls layers.
+
+One thread owns the socket and does everything in arrival order: handshakes, READY validation,
+the pull through the transfer engine, the answer. Order matters: a prefill rank's READYs arrive
+in the order it published them, so when its last layer for a request is done every earlier
+layer is done too. A frame that does not decode is logged and dropped; a READY that fails a
+check, or whose pull still fails after the configured retries, is answered READ_FAILED and its
+destination blocks are reported invalid, so nothing partially written is ever taken as valid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import cast
+
+import attrs
+import zmq
+
+from kvo_core.errors import KvoError
+from kvo_core.gates import RequestCompletionTracker
+from kvo_core.tp import TPMapping
+from kvo_transport.engine import TransferEngine
+from kvo_transport.errors import ProtocolError, TransferError
+from kvo_transport.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    HandshakeAnswer,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    clip_reason,
+    encode,
+)
+from kvo_transport.read_plan import (
+    DecodeLayout,
+    LayerReadPlan,
+    ReadRejected,
+    RequestDestination,
+    Resolver,
+    check_handshake,
+    intended_destination,
+    plan_layer_read,
+)
+
+log = logging.getLogger("kvo.transport.decode")
+
+InvalidCallback = Callable[[str, int, tuple[int, ...], tuple[int, ...], str], None]
+"""(request id, layer index, main destination blocks, indexer destination blocks, reason)."""
+
+_instances = itertools.count()
+MAX_SESSIONS = 4096
+"""Accepted prefill connections remembered at once (the oldest is forgotten first)."""
+
+
+class ControlSocketError(KvoError, OSError):
+    """The decode control socket cannot be bound (port in use, bad address...)."""
+
+
+@attrs.frozen
+class InvalidBlocks:
+    """Destination blocks of a request that must not be used: a read into them failed."""
+
+    main: frozenset[int] = frozenset()
+    indexer: frozenset[int] = frozenset()
+
+
+@attrs.define
+class _Session:
+    """One accepted prefill connection."""
+
+    meta: MfMeta
+    label: str
+    part: str
+    """This contributor's part name in the per-request completion tracker."""
+    contributor_parts: frozenset[str]
+
+
+@attrs.define
+class _Progress:
+    """Layers each contributor has delivered for one request."""
+
+    instance_id: str
+    layers: dict[str, set[int]] = attrs.Factory(dict)
+
+
+class DecodeReceiver:
+    """Serve READ_READY_BATCH messages of the prefill ranks that feed this decode rank.
+
+    ``layout`` is the decode's registered destination memory per layer; ``resolve`` maps a
+    request id to its destination blocks. ``pop_finished`` tells which requests reached a
+    terminal state on this rank: every contributor delivered every layer (finished) or some
+    part failed (failed, with the first reason). Bind ``port=0`` for an ephemeral port.
+    """
+
+    def __init__(self, *, engine: TransferEngine, layout: DecodeLayout, resolve: Resolver,
+                 decode_tp: int = 1, d_rank: int = 0, host: str = "127.0.0.1", port: int = 0,
+                 read_retries: int = 2, retry_backoff_s: float = 0.05,
+                 max_frame_bytes: int = MAX_FRAME_BYTES,
+                 on_invalid: InvalidCallback | None = None) -> None:
+        if not isinstance(read_retries, int) or read_retries < 0:
+            raise ValueError(f"read_retries must be an integer >= 0, got {read_retries!r}")
+        if not retry_backoff_s >= 0:
+            raise ValueError(f"retry_backoff_s must be >= 0 seconds, got {retry_backoff_s!r}")
+        TPMapping(decode_tp, decode_tp).contributors(d_rank)  # range-checks d_rank
+        self._engine = engine
+        self._layout = layout
+        self._resolve = resolve
+        self._decode_tp = decode_tp
+        self._d_rank = d_rank
+        self._read_retries = read_retries
+        self._retry_backoff_s = retry_backoff_s
+        self._on_invalid = on_invalid
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._backend = engine.backend
+        self._transfer_protocol = engine.protocol
+
+        self._lock = threading.Lock()
+        self._sessions: dict[bytes, _Session] = {}
+        self._progress: dict[str, _Progress] = {}
+        self._invalid: dict[str, InvalidBlocks] = {}
+        self._forgotten: set[str] = set()
+        self._tracker = RequestCompletionTracker()
+        self.rejected_frames = 0
+        """Frames dropped because they did not decode (for tests and metrics)."""
+
+        self._context = zmq.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting prefill keeps its id
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        try:
+            if port == 0:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._router.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._router.close()
+            self._context.term()
+            raise ControlSocketError(f"cannot bind the decode control socket on "
+                                     f"{host}:{port}: {exc}") from exc
+        self.endpoint = f"tcp://{host}:{port}"
+        wake = f"inproc://kvo-decode-wake-{next(_instances)}"
+        self._wake_in = self._context.socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = self._context.socket(zmq.PAIR)
+        self._wake_out.connect(wake)
+        self._thread = threading.Thread(target=self._serve, name=f"kvo-decode-{port}",
+                                        daemon=True)
+        self._started = False
+        self._closed = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> DecodeReceiver:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+            log.info("decode rank %d/%d serving control endpoint %s (backend %s/%s, %d layers)",
+                     self._d_rank, self._decode_tp, self.endpoint, self._backend,
+                     self._transfer_protocol, len(self._layout.layers))
+        return self
+
+    def close(self) -> None:
+        """Stop serving; the socket and its thread are gone when this returns."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._wake_out.send(b"stop")
+            self._thread.join()
+        for socket in (self._wake_out, self._wake_in, self._router):
+            socket.close(linger=0)
+        self._context.term()
+
+    def __enter__(self) -> DecodeReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- request state for the caller ---------------------------------------------------------
+
+    def pop_finished(self) -> tuple[set[str], dict[str, str]]:
+        """Requests that reached a terminal state since the last call: (ok ids, failed -> why)."""
+        finished, failed = self._tracker.pop_finished()
+        with self._lock:
+            for request_id in itertools.chain(finished, failed):
+                self._progress.pop(request_id, None)
+            forgotten = self._forgotten & (finished | failed.keys())
+            self._forgotten -= forgotten
+        return finished - forgotten, {r: e for r, e in failed.items() if r not in forgotten}
+
+    def invalid_blocks(self, request_id: str) -> InvalidBlocks:
+        with self._lock:
+            return self._invalid.get(request_id, InvalidBlocks())
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """Give up on a request's missing parts (e.g. the caller's own deadline expired)."""
+        for part in self._tracker.pending(request_id):
+            self._tracker.mark_failed(request_id, part, reason)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is remembered about a request (its blocks were released).
+
+        Its missing parts are closed and it is not reported by ``pop_finished``. The resolver
+        must stop returning its blocks too: a late READY then fails instead of writing.
+        """
+        with self._lock:
+            self._progress.pop(request_id, None)
+            self._invalid.pop(request_id, None)
+            if self._tracker.pending(request_id):
+                self._forgotten.add(request_id)
+        self.fail_request(request_id, "forgotten by the decode")
+
+    # -- the serving thread -------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._wake_in in events:
+                return
+            while cast(int, self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                try:
+                    self._on_frames(parts)
+                except Exception:  # a bug must not take the rank's control plane down
+                    log.exception("decode %s: unexpected error handling a frame", self.endpoint)
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        identity = parts[0]
+        if len(parts) != 2:
+            self.rejected_frames += 1
+            log.warning("decode %s: dropping a %d-part message from peer %r (expected 1 frame)",
+                        self.endpoint, len(parts) - 1, _peer_name(identity))
+            return
+        try:
+            message = self._decoder.decode(parts[1])
+        except ProtocolError as exc:
+            self.rejected_frames += 1
+            log.warning("decode %s: dropping frame from peer %r: %s", self.endpoint,
+                        _peer_name(identity), exc)
+            return
+        if isinstance(message, MfMeta):
+            self._on_handshake(identity, message)
+        elif isinstance(message, ReadReadyBatch):
+            self._on_ready(identity, message)
+        else:
+            self.rejected_frames += 1
+            log.warning("decode %s: dropping %s from peer %r: not a prefill -> decode message",
+                        self.endpoint, type(message).__name__, _peer_name(identity))
+
+    def _reply(self, identity: bytes, message: HandshakeAnswer | ReadDone | ReadFailed) -> None:
+        try:
+            self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("decode %s: cannot answer peer %r (%s): %s", self.endpoint,
+                        _peer_name(identity), type(message).__name__, exc)
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    def _on_handshake(self, identity: bytes, meta: MfMeta) -> None:
+        label = (f"{meta.instance_id} rank {meta.p_rank}/{meta.p_tp_size} "
+                 f"(engine {meta.engine_session_id})")
+        reason = check_handshake(meta, self._layout, backend=self._backend,
+                                 transfer_protocol=self._transfer_protocol,
+                                 decode_tp=self._decode_tp, d_rank=self._d_rank)
+        if reason is not None:
+            log.warning("decode %s: rejected MF_META from %s: %s", self.endpoint, label, reason)
+            with self._lock:
+                self._sessions.pop(identity, None)
+            self._reply(identity, HandshakeAnswer(version=PROTOCOL_VERSION, accepted=False,
+                                                  reason=clip_reason(reason)))
+            return
+        mapping = TPMapping(meta.p_tp_size, self._decode_tp)
+        contributors = frozenset(_part(meta.instance_id, p)
+                                 for p in mapping.contributors(self._d_rank))
+        session = _Session(meta=meta, label=label, part=_part(meta.instance_id, meta.p_rank),
+                           contributor_parts=contributors)
+        with self._lock:
+            self._sessions.pop(identity, None)
+            self._sessions[identity] = session
+            while len(self._sessions) > MAX_SESSIONS:  # prefill ranks that came and went
+                stale = next(iter(self._sessions))
+                log.info("decode %s: forgetting the oldest session %r", self.endpoint,
+                         self._sessions.pop(stale).label)
+        log.info("decode %s: accepted MF_META from %s, member %d of %d, %d layers",
+                 self.endpoint, label, meta.member, meta.ratio, len(meta.layers))
+        self._reply(identity, HandshakeAnswer(version=PROTOCOL_VERSION, accepted=True,
+                                              decode_session_id=self._engine.session_id))
+
+    # -- READY -> pull -> DONE / FAILED ----------------------------------------------------------
+
+    def _on_ready(self, identity: bytes, batch: ReadReadyBatch) -> None:
+        started = time.perf_counter()
+        with self._lock:
+            session = self._sessions.get(identity)
+        if session is None:
+            reason = "no accepted MF_META handshake on this connection; handshake again"
+            log.warning("decode %s: READY layer %d seq %d from unknown peer %r: %s",
+                        self.endpoint, batch.layer_index, batch.seq, _peer_name(identity), reason)
+            self._reply(identity, ReadFailed(version=PROTOCOL_VERSION, seq=batch.seq,
+                                             layer_index=batch.layer_index, reason=reason,
+                                             needs_handshake=True))
+            return
+        targets: dict[str, RequestDestination | None] = {}
+        try:
+            for request in batch.requests:
+                targets[request.request_id] = self._resolve(request.request_id)
+            plan = self._plan(session, batch, targets)
+        except ReadRejected as exc:
+            self._fail_layer(identity, session, batch, targets, str(exc), started)
+            return
+        except Exception as exc:
+            log.exception("decode %s: planning layer %d seq %d from %s failed", self.endpoint,
+                          batch.layer_index, batch.seq, session.label)
+            self._fail_layer(identity, session, batch, targets,
+                             f"internal error on decode: {exc!r}", started)
+            return
+        error = self._pull(session, batch, plan)
+        if error is not None:
+            self._fail_layer(identity, session, batch, targets, error, started)
+            return
+        self._record_success(session, batch)
+        self._reply(identity, ReadDone(version=PROTOCOL_VERSION, seq=batch.seq,
+                                       layer_index=batch.layer_index,
+                                       bytes_read=plan.total_bytes))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decode %s: layer %d (%s) seq %d from %s: %d requests %s, %d bytes in %d "
+                      "descriptors, %.0f us", self.endpoint, batch.layer_index, batch.layer_name,
+                      batch.seq, session.label, len(batch.requests), _ids(batch), plan.total_bytes,
+                      len(plan.lengths), (time.perf_counter() - started) * 1e6)
+
+    def _plan(self, session: _Session, batch: ReadReadyBatch,
+              targets: dict[str, RequestDestination | None]) -> LayerReadPlan:
+        meta = session.meta
+        if (batch.member, batch.ratio) != (meta.member, meta.ratio):
+            raise ReadRejected(f"READY says member {batch.member} of {batch.ratio}, the "
+                               f"handshake said member {meta.member} of {meta.ratio}")
+        if batch.layer_index >= len(meta.layers):
+            raise ReadRejected(f"layer {batch.layer_index} is out of range: the session has "
+                               f"{len(meta.layers)} layers")
+        return plan_layer_read(meta.layers[batch.layer_index],
+                               self._layout.layers[batch.layer_index], batch, targets.get)
+
+    def _pull(self, session: _Session, batch: ReadReadyBatch, plan: LayerReadPlan) -> str | None:
+        """Read the plan, retrying a failed read; the reason on final failure, else None."""
+        if not plan.lengths:
+            return None
+        peer = session.meta.engine_session_id
+        attempts = self._read_retries + 1
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            try:
+                self._engine.read(peer, plan.local_addrs, plan.remote_addrs, plan.lengths)
+                if attempt:
+                    log.info("decode %s: layer %d seq %d from %s succeeded on attempt %d",
+                             self.endpoint, batch.layer_index, batch.seq, session.label,
+                             attempt + 1)
+                return None
+            except TransferError as exc:
+                log.warning("decode %s: layer %d seq %d from %s: read of %d bytes in %d "
+                            "descriptors failed (attempt %d of %d): %s", self.endpoint,
+                            batch.layer_index, batch.seq, session.label, plan.total_bytes,
+                            len(plan.lengths), attempt + 1, attempts, exc)
+                last = exc
+                if attempt + 1 < attempts:
+                    time.sleep(self._retry_backoff_s * (2 ** attempt))
+            except Exception as exc:  # an engine bug is not worth retrying
+                log.exception("decode %s: layer %d seq %d: engine read raised", self.endpoint,
+                              batch.layer_index, batch.seq)
+                return f"read from {peer} raised {exc!r}"
+        return (f"read of {plan.total_bytes} bytes in {len(plan.lengths)} descriptors from "
+                f"{peer} failed after {attempts} attempt(s): {last}")
+
+    def _fail_layer(self, identity: bytes, session: _Session, batch: ReadReadyBatch,
+                    targets: dict[str, RequestDestination | None], reason: str,
+                    started: float) -> None:
+        log.warning("decode %s: READ_FAILED layer %d (%s) seq %d from %s, requests %s after "
+                    "%.0f us: %s", self.endpoint, batch.layer_index, batch.layer_name, batch.seq,
+                    session.label, _ids(batch), (time.perf_counter() - started) * 1e6, reason)
+        layers = self._layout.layers
+        dest = layers[batch.layer_index] if batch.layer_index < len(layers) else None
+        for request in batch.requests:
+            target = targets.get(request.request_id)
+            if target is None:
+                continue  # not a request of this rank: nothing to track or invalidate
+            self._expect(session, request.request_id)
+            self._tracker.mark_failed(request.request_id, session.part,
+                                      f"layer {batch.layer_index}: {reason}")
+            if dest is None:
+                continue
+            main, indexer = intended_destination(dest, request, target)
+            self._invalidate(request.request_id, batch.layer_index, main, indexer, reason)
+        self._reply(identity, ReadFailed(version=PROTOCOL_VERSION, seq=batch.seq,
+                                         layer_index=batch.layer_index,
+                                         reason=clip_reason(reason)))
+
+    def _invalidate(self, request_id: str, layer_index: int, main: tuple[int, ...],
+                    indexer: tuple[int, ...], reason: str) -> None:
+        with self._lock:
+            known = self._invalid.get(request_id, InvalidBlocks())
+            self._invalid[request_id] = InvalidBlocks(known.main | frozenset(main),
+                                                      known.indexer | frozenset(indexer))
+        if self._on_invalid is not None:
+            try:
+                self._on_invalid(request_id, layer_index, main, indexer, reason)
+            except Exception:
+                log.exception("decode %s: on_invalid callback failed for request %r",
+                              self.endpoint, request_id)
+
+    # -- per-request completion -----------------------------------------------------------------
+
+    def _expect(self, session: _Session, request_id: str) -> _Progress:
+        with self._lock:
+            progress = self._progress.get(request_id)
+            if progress is None:
+                progress = _Progress(instance_id=session.meta.instance_id)
+                self._progress[request_id] = progress
+                self._tracker.expect(request_id, session.contributor_parts)
+            elif progress.instance_id != session.meta.instance_id:
+                log.warning("decode %s: request %r arrives from prefill %s but started from "
+                            "prefill instance %r", self.endpoint, request_id, session.label,
+                            progress.instance_id)
+            return progress
+
+    def _record_success(self, session: _Session, batch: ReadReadyBatch) -> None:
+        last = set(batch.last_layer_request_ids)
+        for request in batch.requests:
+            progress = self._expect(session, request.request_id)
+            with self._lock:
+                seen = progress.layers.setdefault(session.part, set())
+                seen.add(batch.layer_index)
+                missing = (sorted(set(range(len(session.meta.layers))) - seen)
+                           if request.request_id in last else None)
+            if missing is None:
+                continue
+            if missing:
+                self._tracker.mark_failed(
+                    request.request_id, session.part,
+                    f"{session.label} sent its last layer without layers {_preview(missing)}")
+            else:
+                self._tracker.mark_done(request.request_id, session.part)
+
+
+def decode_control_endpoint(host: str, kv_port: int, dp_rank: int, tp_rank: int,
+                            decode_tp_size: int) -> str:
+    """The ZMQ endpoint of decode rank (dp_rank, tp_rank) (port from kvo_core.tp)."""
+    from kvo_core.tp import control_port
+
+    return f"tcp://{host}:{control_port(kv_port, dp_rank, tp_rank, decode_tp_size)}"
+
+
+def _part(instance_id: str, p_rank: int) -> str:
+    return f"{instance_id}/p{p_rank}"
+
+
+def _peer_name(identity: bytes) -> str:
+    return identity.decode("utf-8", "backslashreplace")[:80]
+
+
+def _ids(batch: ReadReadyBatch) -> str:
+    return _preview([r.request_id for r in batch.requests])
+
+
+def _preview(values: Iterable[object], limit: int = 6) -> str:
+    items = list(values)
+    shown = ", ".join(map(str, items[:limit]))
+    return f"[{shown}{f', ... ({len(items)} in all)' if len(items) > limit else ''}]"

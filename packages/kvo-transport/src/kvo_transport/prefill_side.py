@@ -1,0 +1,610 @@
+"""Prefill side of the control plane: handshake, publish each layer, collect the answers.
+
+The caller's thread sends READYs itself (no hand-off on the latency path); one I/O thread
+receives every answer. ZMQ sockets are not thread-safe, so each socket is used only under its
+connection's lock, and the I/O thread sleeps on the sockets' notification file descriptors
+(``zmq.FD``) rather than in zmq_poll, which would touch the sockets without the lock. The I/O
+thread turns READ_DONE / READ_FAILED into ``SlotGates`` reports (the physical buffer may be
+reused once every reader answered) and into ``RequestCompletionTracker`` reports (the
+request's sends are over). Every published layer has a deadline: a READ_DONE that never comes
+(lost, or the decode died) fails the slot with LayerDeadlineError instead of hanging the
+prefill forever.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
+
+import attrs
+import zmq
+
+from kvo_core.errors import ConfigError
+from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
+from kvo_core.tp import TPMapping
+from kvo_transport.engine import TransferEngine
+from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, ProtocolError
+from kvo_transport.protocol import (
+    MAX_BLOCK_IDS_PER_REQUEST,
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    MAX_REQUESTS_PER_BATCH,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    HandshakeAnswer,
+    LayerMeta,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadyRequest,
+    encode,
+)
+
+log = logging.getLogger("kvo.transport.prefill")
+
+_instances = itertools.count()
+
+
+class HandshakeRejectedError(ProtocolError):
+    """The decode rank refused the MF_META handshake; the message carries its reason."""
+
+
+class PublisherClosedError(ProtocolError):
+    """The publisher was closed; nothing more can be published."""
+
+
+@attrs.frozen
+class PublishedLayer:
+    """What one ``publish_layer`` call sent: per decode endpoint, the batch seq and gate part."""
+
+    layer_index: int
+    slot_key: SlotKey
+    seqs: dict[str, int]
+    parts: dict[str, str]
+
+
+@attrs.define(eq=False)
+class _Connection:
+    """A DEALER socket and the lock that every use of it holds."""
+
+    endpoint: str
+    socket: zmq.Socket[bytes]
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    closed: bool = False
+
+
+@attrs.define(eq=False)
+class _Peer:
+    endpoint: str
+    connection: _Connection
+    answered: threading.Event = attrs.Factory(threading.Event)
+    answer: HandshakeAnswer | None = None
+
+
+@attrs.define
+class _Pending:
+    """A READY waiting for its answer."""
+
+    endpoint: str
+    seq: int
+    layer_index: int
+    layer_name: str
+    slot_key: SlotKey
+    part: str
+    request_ids: tuple[str, ...]
+    sent_at: float
+    deadline: float
+
+
+@attrs.define
+class _RequestSends:
+    """A request's READYs in flight; it is reported once none is (its blocks may be in use)."""
+
+    inflight: int = 0
+    last_published: bool = False
+    error: str | BaseException | None = None
+    reported: bool = False
+
+
+class PrefillPublisher:
+    """One prefill rank's side of the control plane (see the module docstring).
+
+    ``layers`` describe this rank's exposed buffers (MF_META); ``gates`` is the slot-gate
+    table the layer pipeline waits on; ``tracker`` (optional) receives per-request completion
+    under the part name ``request_part`` (expected automatically unless ``auto_expect`` is
+    False, in which case the caller expects it together with its own parts).
+    """
+
+    def __init__(self, *, engine_session_id: str, backend: str, transfer_protocol: str,
+                 instance_id: str, prefill_tp: int, p_rank: int, decode_tp: int,
+                 layers: Sequence[LayerMeta], gates: SlotGates,
+                 tracker: RequestCompletionTracker | None = None,
+                 handshake_timeout_s: float = 100.0, layer_deadline_s: float = 60.0,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, request_part: str = "remote-read",
+                 auto_expect: bool = True) -> None:
+        for name, value in (("handshake_timeout_s", handshake_timeout_s),
+                            ("layer_deadline_s", layer_deadline_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        self.mapping = TPMapping(prefill_tp, decode_tp)
+        self.p_rank = p_rank
+        self.member = self.mapping.member(p_rank)
+        self.layers = tuple(layers)
+        self.meta = MfMeta(version=PROTOCOL_VERSION, instance_id=instance_id,
+                           engine_session_id=engine_session_id, backend=backend,
+                           transfer_protocol=transfer_protocol, p_tp_size=prefill_tp,
+                           p_rank=p_rank, member=self.member, ratio=self.mapping.ratio,
+                           d_rank=self.mapping.decode_rank(p_rank), layers=self.layers)
+        self._meta_frame = encode(self.meta)
+        try:  # what the decode would refuse is refused here, naming the problem
+            FrameDecoder().decode(self._meta_frame)
+        except ProtocolError as exc:
+            raise ConfigError(f"this rank's MF_META is not valid: {exc}") from None
+        self.handshake_timeout_s = handshake_timeout_s
+        self.layer_deadline_s = layer_deadline_s
+        self._max_frame_bytes = max_frame_bytes
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._gates = gates
+        self._tracker = tracker
+        self._request_part = request_part
+        self._auto_expect = auto_expect
+        self._label = f"{instance_id} rank {p_rank}/{prefill_tp}"
+
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._deadlines: list[tuple[float, str, int]] = []
+        self._requests: dict[str, _RequestSends] = {}
+        self._seqs = itertools.count()  # one counter for all peers: keys stay unique on reconnect
+        self._closed = False
+
+        self._context = zmq.Context()
+        self._new_connections: list[_Connection] = []
+        self._dropped_connections: list[_Connection] = []
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._thread = threading.Thread(target=self._io_loop, name=f"kvo-prefill-{p_rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_engine(cls, engine: TransferEngine, **kwargs: object) -> PrefillPublisher:
+        """A publisher whose session id, backend and protocol come from ``engine``."""
+        return cls(engine_session_id=engine.session_id, backend=engine.backend,
+                   transfer_protocol=engine.protocol, **kwargs)  # type: ignore[arg-type]
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    def connect(self, endpoint: str, timeout_s: float | None = None) -> None:
+        """Handshake with the decode rank at ``endpoint`` (no-op when already accepted).
+
+        Raises HandshakeTimeoutError naming the endpoint when no answer comes within
+        ``timeout_s`` (default: the publisher's handshake timeout), HandshakeRejectedError
+        with the decode's reason when it refuses.
+        """
+        self._connect(endpoint, timeout_s)
+
+    def _connect(self, endpoint: str, timeout_s: float | None = None) -> _Peer:
+        timeout = self.handshake_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            self._check_open()
+            peer = self._peers.get(endpoint)
+            if peer is not None and peer.answer is not None and peer.answer.accepted:
+                return peer  # the common case: already shaken hands
+            fresh = peer is None
+            if peer is None:
+                peer = _Peer(endpoint=endpoint, connection=self._open(endpoint))
+                self._peers[endpoint] = peer
+                self._new_connections.append(peer.connection)
+        if fresh:
+            log.info("prefill %s: handshake with %s (%d layers, engine %s)", self._label,
+                     endpoint, len(self.layers), self.meta.engine_session_id)
+            self._wake()
+            self._send(peer.connection, self._meta_frame)
+        if not peer.answered.wait(timeout):
+            self._drop_peer(peer)
+            raise HandshakeTimeoutError(
+                f"decode control endpoint {endpoint} did not answer the MF_META handshake of "
+                f"prefill {self._label} within {timeout:g} s (is the decode rank running and "
+                f"listening on that port?)")
+        answer = peer.answer
+        if answer is None:  # dropped by a concurrent caller or by close()
+            raise HandshakeRejectedError(f"handshake with {endpoint} was abandoned")
+        if not answer.accepted:
+            self._drop_peer(peer)
+            raise HandshakeRejectedError(
+                f"decode at {endpoint} rejected the handshake of prefill {self._label}: "
+                f"{answer.reason}")
+        return peer
+
+    def is_connected(self, endpoint: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            return peer is not None and peer.answer is not None and peer.answer.accepted
+
+    def _open(self, endpoint: str) -> _Connection:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # A readable id: the decode's logs name the prefill rank; kept across reconnects.
+        socket.setsockopt(zmq.ROUTING_ID,
+                          f"{self._label}/{os.urandom(4).hex()}".encode()[:255])
+        socket.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
+        socket.connect(endpoint)
+        return _Connection(endpoint=endpoint, socket=socket)
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        with self._lock:
+            if self._peers.get(peer.endpoint) is not peer:
+                return
+            del self._peers[peer.endpoint]
+            self._dropped_connections.append(peer.connection)
+        peer.answered.set()
+        self._wake()
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    def ready_request(self, request_id: str, start_block: int, main_block_ids: Sequence[int],
+                      indexer_block_ids: Sequence[int] = ()) -> ReadyRequest:
+        """This rank's share of a request's chunk ``[start_block, start_block + n)``.
+
+        ``main_block_ids`` / ``indexer_block_ids`` are the chunk's source blocks on this rank
+        (the indexer list is empty for layers without an indexer, else one id per block).
+        Member 0 sends the main blocks; each member sends its indexer slice.
+        """
+        count = len(main_block_ids)
+        if indexer_block_ids and len(indexer_block_ids) != count:
+            raise ValueError(f"request {request_id!r}: {len(indexer_block_ids)} indexer block "
+                             f"ids for a chunk of {count} blocks")
+        begin, end = self.mapping.indexer_range(self.p_rank, start_block, count)
+        indexer = tuple(indexer_block_ids[begin - start_block:end - start_block]
+                        if indexer_block_ids else ())
+        return ReadyRequest(
+            request_id=request_id, main_start_block=start_block, num_blocks=count,
+            main_block_ids=tuple(main_block_ids) if self.member == 0 else (),
+            indexer_start_block=begin, indexer_block_ids=indexer)
+
+    def publish_layer(self, layer_index: int, slot_key: SlotKey,
+                      requests_by_endpoint: Mapping[str, Sequence[ReadyRequest]],
+                      last_layer_request_ids: Iterable[str] = (),
+                      extra_parts: Iterable[str] = (),
+                      deadline_s: float | None = None) -> PublishedLayer:
+        """Tell each decode endpoint that layer ``layer_index`` may be read now.
+
+        Closes the slot's gate with one part per endpoint (plus ``extra_parts``, e.g. the
+        store save, which the caller reports itself), sends one READ_READY_BATCH per endpoint
+        and returns at once; the I/O thread reports each answer to the gate. Endpoints not yet
+        connected are connected first (blocking up to the handshake timeout).
+        """
+        if not 0 <= layer_index < len(self.layers):
+            raise ValueError(f"layer_index {layer_index} is out of range: this rank exposes "
+                             f"{len(self.layers)} layers")
+        layer = self.layers[layer_index]
+        last = set(last_layer_request_ids)
+        known = {r.request_id for batch in requests_by_endpoint.values() for r in batch}
+        if not last <= known:
+            raise ValueError(f"last_layer_request_ids {sorted(last - known)} are not published "
+                             f"in this layer")
+        for requests in requests_by_endpoint.values():
+            _check_requests(requests)
+        deadline_s = self.layer_deadline_s if deadline_s is None else deadline_s
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
+        peers = {endpoint: self._connect(endpoint) for endpoint in requests_by_endpoint}
+        frames: list[tuple[_Peer, int, bytes, tuple[str, ...]]] = []
+        with self._lock:
+            self._check_open()
+            for endpoint, requests in requests_by_endpoint.items():
+                peer = peers[endpoint]
+                seq = next(self._seqs)
+                ids = tuple(r.request_id for r in requests)
+                batch = ReadReadyBatch(
+                    version=PROTOCOL_VERSION, seq=seq, layer_index=layer_index,
+                    layer_name=layer.name, member=self.member, ratio=self.mapping.ratio,
+                    requests=tuple(requests),
+                    last_layer_request_ids=tuple(i for i in ids if i in last))
+                frame = encode(batch)
+                if len(frame) > self._max_frame_bytes:
+                    raise ProtocolError(
+                        f"READY for layer {layer_index} to {endpoint} is {len(frame)} bytes, "
+                        f"over the frame limit of {self._max_frame_bytes}; publish fewer "
+                        f"requests per batch")
+                frames.append((peer, seq, frame, ids))
+        parts = {peer.endpoint: _part_name(peer.endpoint, seq) for peer, seq, _, _ in frames}
+        self._gates.close(slot_key, [*parts.values(), *extra_parts])
+        now = time.monotonic()
+        with self._lock:
+            for peer, seq, _, ids in frames:
+                self._pending[(peer.endpoint, seq)] = _Pending(
+                    endpoint=peer.endpoint, seq=seq, layer_index=layer_index,
+                    layer_name=layer.name, slot_key=slot_key, part=parts[peer.endpoint],
+                    request_ids=ids, sent_at=now, deadline=now + deadline_s)
+                if not self._deadlines or now + deadline_s < self._deadlines[0][0]:
+                    self._wake()  # the I/O thread sleeps until a later deadline, or forever
+                heapq.heappush(self._deadlines, (now + deadline_s, peer.endpoint, seq))
+                for request_id in ids:
+                    self._note_request(request_id, request_id in last)
+        for peer, seq, frame, ids in frames:
+            self._send(peer.connection, frame)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefill %s: READY layer %d (%s) seq %d -> %s, requests %s",
+                          self._label, layer_index, layer.name, seq, peer.endpoint, list(ids))
+        return PublishedLayer(layer_index=layer_index, slot_key=slot_key,
+                              seqs={peer.endpoint: seq for peer, seq, _, _ in frames},
+                              parts=parts)
+
+    def _note_request(self, request_id: str, is_last: bool) -> None:
+        """Count one more batch in flight for ``request_id`` (lock held)."""
+        sends = self._requests.get(request_id)
+        if sends is None:
+            sends = self._requests[request_id] = _RequestSends()
+            if self._tracker is not None and self._auto_expect:
+                self._tracker.expect(request_id, (self._request_part,))
+        sends.inflight += 1
+        sends.last_published = sends.last_published or is_last
+
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request (e.g. it was aborted before its last layer)."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    # -- close ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the I/O thread; every READY still waiting fails its slot (never a hang)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        self._wake()
+        self._thread.join()
+        for peer in peers:
+            peer.answered.set()
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for item in pending:
+            self._finish(item, PublisherClosedError(
+                f"publisher of {self._label} closed before {item.endpoint} answered layer "
+                f"{item.layer_index} seq {item.seq}"))
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+        self._context.term()
+
+    def __enter__(self) -> PrefillPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PublisherClosedError(f"publisher of {self._label} is closed")
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full: the I/O thread is awake anyway
+
+    def _send(self, connection: _Connection, frame: bytes) -> None:
+        """Send from the caller's thread; wake the I/O thread if an answer is waiting."""
+        with connection.lock:
+            if connection.closed:
+                log.warning("prefill %s: connection to %s is closed; the READY's deadline "
+                            "will fail it", self._label, connection.endpoint)
+                return
+            try:
+                connection.socket.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # queue full: the deadline reports it
+                log.warning("prefill %s: cannot queue a frame to %s: %s", self._label,
+                            connection.endpoint, exc)
+            # Any socket call may consume the FD's edge: look for input ourselves.
+            waiting = _has_input(connection.socket)
+        if waiting:
+            self._wake()
+
+    # -- the I/O thread -------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ)
+        connections: set[_Connection] = set()
+        try:
+            while True:
+                selector.select(self._poll_timeout_s())
+                try:
+                    while os.read(self._wake_read, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                with self._lock:
+                    closed = self._closed
+                    new, self._new_connections = self._new_connections, []
+                    dropped, self._dropped_connections = self._dropped_connections, []
+                for connection in new:
+                    selector.register(connection.socket, selectors.EVENT_READ, connection)
+                    connections.add(connection)
+                for connection in dropped:
+                    if connection in connections:
+                        selector.unregister(connection.socket)
+                        connections.discard(connection)
+                    self._close_connection(connection)
+                if closed:
+                    return
+                for connection in connections:
+                    self._drain(connection)
+                self._expire_deadlines()
+        finally:
+            for connection in connections:
+                self._close_connection(connection)
+            selector.close()
+
+    def _close_connection(self, connection: _Connection) -> None:
+        with connection.lock:
+            if not connection.closed:
+                connection.closed = True
+                connection.socket.close(linger=0)
+
+    def _drain(self, connection: _Connection) -> None:
+        frames: list[bytes] = []
+        with connection.lock:
+            if connection.closed:
+                return
+            socket = connection.socket
+            while _has_input(socket):
+                frames.append(socket.recv(zmq.NOBLOCK))
+        for frame in frames:
+            try:
+                self._on_answer(connection.endpoint, frame)
+            except Exception:
+                log.exception("prefill %s: error handling an answer from %s", self._label,
+                              connection.endpoint)
+
+    def _poll_timeout_s(self) -> float | None:
+        with self._lock:
+            if not self._deadlines:
+                return None
+            return max(0.0, self._deadlines[0][0] - time.monotonic())
+
+    def _on_answer(self, endpoint: str, frame: bytes) -> None:
+        try:
+            message = self._decoder.decode(frame)
+        except ProtocolError as exc:
+            log.warning("prefill %s: dropping frame from %s: %s", self._label, endpoint, exc)
+            return
+        if isinstance(message, HandshakeAnswer):
+            with self._lock:
+                peer = self._peers.get(endpoint)
+            if peer is None:
+                return
+            peer.answer = message
+            peer.answered.set()
+            if message.accepted:
+                log.info("prefill %s: handshake accepted by %s (decode engine %s)", self._label,
+                         endpoint, message.decode_session_id)
+            else:
+                log.warning("prefill %s: handshake rejected by %s: %s", self._label, endpoint,
+                            message.reason)
+            return
+        if not isinstance(message, ReadDone | ReadFailed):
+            log.warning("prefill %s: dropping %s from %s: not a decode -> prefill answer",
+                        self._label, type(message).__name__, endpoint)
+            return
+        with self._lock:
+            item = self._pending.pop((endpoint, message.seq), None)
+            if isinstance(message, ReadFailed) and message.needs_handshake:
+                peer = self._peers.get(endpoint)
+                if peer is not None and peer.answer is not None:
+                    del self._peers[endpoint]  # the next publish handshakes again
+                    self._dropped_connections.append(peer.connection)
+        if item is None:
+            log.warning("prefill %s: %s for layer %d seq %d from %s matches nothing in flight "
+                        "(late after its deadline, or duplicated)", self._label,
+                        type(message).__name__, message.layer_index, message.seq, endpoint)
+            return
+        elapsed_us = (time.monotonic() - item.sent_at) * 1e6
+        if isinstance(message, ReadDone):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("prefill %s: READ_DONE layer %d seq %d from %s: %d bytes, %.0f us",
+                          self._label, item.layer_index, item.seq, endpoint, message.bytes_read,
+                          elapsed_us)
+            self._finish(item, None)
+        else:
+            log.warning("prefill %s: READ_FAILED layer %d (%s) seq %d from %s after %.0f us, "
+                        "requests %s: %s", self._label, item.layer_index, item.layer_name,
+                        item.seq, endpoint, elapsed_us, list(item.request_ids), message.reason)
+            self._finish(item, f"decode {endpoint} failed to read layer {item.layer_index} "
+                               f"({item.layer_name}): {message.reason}")
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        expired: list[_Pending] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, endpoint, seq = heapq.heappop(self._deadlines)
+                item = self._pending.pop((endpoint, seq), None)
+                if item is not None:
+                    expired.append(item)
+        for item in expired:
+            error = LayerDeadlineError(
+                f"no READ_DONE/READ_FAILED from {item.endpoint} for layer {item.layer_index} "
+                f"({item.layer_name}) seq {item.seq} within "
+                f"{item.deadline - item.sent_at:g} s; requests {list(item.request_ids)}")
+            log.error("prefill %s: %s", self._label, error)
+            self._finish(item, error)
+
+    def _finish(self, item: _Pending, error: str | BaseException | None) -> None:
+        """Report one READY's outcome to the slot gate and to its requests."""
+        if error is None:
+            self._gates.mark_done(item.slot_key, item.part)
+        else:
+            self._gates.mark_failed(item.slot_key, item.part, error)
+        reports: list[tuple[str, str | BaseException | None]] = []
+        with self._lock:
+            for request_id in item.request_ids:
+                sends = self._requests.get(request_id)
+                if sends is None:
+                    continue
+                sends.inflight -= 1
+                if error is not None and sends.error is None:
+                    sends.error = error
+                if sends.inflight:
+                    continue
+                # A failure is reported as soon as nothing of the request is being read; a
+                # success only after its last layer. Later READYs of a failed request are
+                # still counted (so it is not tracked afresh) but not reported again.
+                if not sends.reported and (sends.error is not None or sends.last_published):
+                    sends.reported = True
+                    reports.append((request_id, sends.error))
+                if sends.last_published:
+                    del self._requests[request_id]
+        if self._tracker is None:
+            return
+        for request_id, failure in reports:
+            if failure is None:
+                self._tracker.mark_done(request_id, self._request_part)
+            else:
+                self._tracker.mark_failed(request_id, self._request_part, failure)
+
+
+def _check_requests(requests: Sequence[ReadyRequest]) -> None:
+    """The limits the decode enforces, checked here so a bad batch fails at the caller."""
+    if len(requests) > MAX_REQUESTS_PER_BATCH:
+        raise ValueError(f"{len(requests)} requests in one READY; at most "
+                         f"{MAX_REQUESTS_PER_BATCH} are allowed (split the batch)")
+    for request in requests:
+        if not 0 < len(request.request_id) <= MAX_ID_CHARS:
+            raise ValueError(f"request id {request.request_id[:40]!r}... must have 1 to "
+                             f"{MAX_ID_CHARS} characters")
+        for what, ids in (("main", request.main_block_ids),
+                          ("indexer", request.indexer_block_ids)):
+            if len(ids) > MAX_BLOCK_IDS_PER_REQUEST:
+                raise ValueError(f"request {request.request_id!r}: {len(ids)} {what} block ids; "
+                                 f"at most {MAX_BLOCK_IDS_PER_REQUEST} are allowed")
+            if ids and min(ids) < 0:
+                raise ValueError(f"request {request.request_id!r}: negative {what} block id "
+                                 f"{min(ids)}")
+        if min(request.main_start_block, request.num_blocks, request.indexer_start_block) < 0:
+            raise ValueError(f"request {request.request_id!r}: start blocks and block counts "
+                             f"must be >= 0")
+
+
+def _has_input(socket: zmq.Socket[bytes]) -> bool:
+    """Messages waiting? (Reading ZMQ_EVENTS also re-arms the socket's notification FD.)"""
+    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _part_name(endpoint: str, seq: int) -> str:
+    """Unique per READY, so a late answer can never match a newer round of the slot."""
+    return f"read:{endpoint}#{seq}"
