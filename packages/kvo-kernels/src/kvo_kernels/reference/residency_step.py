@@ -1,0 +1,60 @@
+"""One request's residency update through kvo-core, with its state read from / for the pool.
+
+kvo-core owns the residency rules (DESIGN.md section 6); the fused op keeps the state in
+``cache_slots_pool`` between calls. This module moves one pool entry's state into a one-row
+kvo-core table, applies the step, and hands back the result and the new state.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvo_core.residency import ReferenceResidency, RequestState, ResidencyResult
+
+_REQUEST = 0
+"""The ABI carries no request id: every entry serves "request 0"; state -2 resets it."""
+
+
+@attrs.frozen(eq=False)
+class ResidencyStep:
+    result: ResidencyResult        # one row: the request's query rows' top-k concatenated
+    slot_tokens: torch.Tensor      # [capacity] int64, the entry's new state
+    lru_order: torch.Tensor        # [capacity] int64
+
+
+def _restore(table: ReferenceResidency, slot_tokens: torch.Tensor,
+             lru_order: torch.Tensor) -> None:
+    """Load one row's saved state into a fresh table (row 0)."""
+    load = getattr(table, "load_row", None)
+    if load is not None:  # the public loader, where kvo-core provides one
+        load(0, slot_tokens, lru_order, _REQUEST)
+        return
+    # kvo-core's ReferenceResidency keeps its state as Python lists; without a public loader
+    # we fill them directly (same representation its reset_row writes).
+    table._slot_tokens[0] = [int(t) for t in slot_tokens.tolist()]
+    table._lru[0] = [int(s) for s in lru_order.tolist()]
+    table._requests[0] = _REQUEST
+
+
+def residency_step(saved: tuple[torch.Tensor, torch.Tensor] | None, capacity: int,
+                   selected: torch.Tensor, stable_length: int, state: RequestState,
+                   max_seq_len: int) -> ResidencyStep:
+    """Apply one step to one pool entry of ``capacity`` slots.
+
+    ``saved`` is the entry's (slot tokens, LRU order), read only for STEADY (FIRST_OFFLOAD
+    resets the entry; NOT_OFFLOADED maps token -> slot identically and changes nothing).
+    ``selected`` is [Q*K] int64 with -1 padding.
+    """
+    table = ReferenceResidency(1, max(1, capacity), max_seq_len=max(1, max_seq_len))
+    if state == RequestState.STEADY:
+        if saved is None:
+            raise ValueError("a STEADY step needs the entry's saved state")
+        _restore(table, *saved)
+    result = table.update(
+        selected.to(device="cpu", dtype=torch.int64)[None, :],
+        request_ids=torch.tensor([_REQUEST]),
+        stable_lens=torch.tensor([stable_length]),
+        states=torch.tensor([int(state)]))
+    return ResidencyStep(result=result, slot_tokens=table.slot_tokens[0],
+                         lru_order=table.lru_order[0])
