@@ -1,0 +1,139 @@
+"""The decode host pool's layout: a small header, then every layer's main-KV rows.
+
+One POSIX shared-memory pool per decode DP rank (``kvo_transport.host_pool.HostPool``): TP rank
+0 creates it and writes; the other TP ranks attach by name and read the same pages. The header
+records the geometry (so an attaching rank with a different model or block size fails at
+once) and the owner of every block (so a rank whose allocation diverged from rank 0's fails
+instead of reading another request's rows). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
+all offsets are Python ints (64-bit), whatever the pool size.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvo_core.errors import ConfigError
+from kvo_transport.host_pool import PAGE_SIZE, HostPool
+from kvo_vllm.sparse.allocator import RowRange
+from kvo_vllm.sparse.errors import TensorParallelError
+from kvo_vllm.sparse.layout import KV_DTYPES, SparseModelLayout
+
+MAGIC = 0x6B766F2D73706172  # "kvo-spar"
+VERSION = 1
+META_FIELDS = ("magic", "version", "num_layers", "row_dim", "dtype", "block_size",
+               "total_blocks")
+_META_SLOTS = 16
+NO_OWNER = -1
+
+
+def _header_bytes(total_blocks: int) -> int:
+    raw = (_META_SLOTS + total_blocks) * 8
+    return -(-raw // PAGE_SIZE) * PAGE_SIZE
+
+
+@attrs.frozen
+class PoolGeometry:
+    """How many blocks a pool holds and where the rows start."""
+
+    block_size: int
+    total_blocks: int
+    header_bytes: int
+
+    @property
+    def total_rows(self) -> int:
+        return self.total_blocks * self.block_size
+
+
+def plan_pool(nbytes: int, layout: SparseModelLayout, block_size: int) -> PoolGeometry:
+    """The most blocks that fit ``nbytes`` with the header; ConfigError if not even one."""
+    per_block = block_size * layout.host_bytes_per_token
+    blocks = max(0, (nbytes - PAGE_SIZE) // (per_block + 8))  # a lower bound; then grow
+    while _header_bytes(blocks + 1) + (blocks + 1) * per_block <= nbytes:
+        blocks += 1
+    if blocks < 1:
+        need = _header_bytes(1) + per_block
+        raise ConfigError(
+            f"host_pool_bytes must hold at least one block of {block_size} tokens "
+            f"({need} bytes with the header for this model), got {nbytes}")
+    return PoolGeometry(block_size, blocks, _header_bytes(blocks))
+
+
+def pool_bytes_for(rows: int, layout: SparseModelLayout, block_size: int) -> int:
+    """Pool size that holds ``rows`` rows (rounded up to blocks) of every layer."""
+    blocks = -(-rows // block_size)
+    return _header_bytes(blocks) + blocks * block_size * layout.host_bytes_per_token
+
+
+class HostKVStore:
+    """Views of one host pool laid out for a model; use ``create`` (TP rank 0) or ``attach``."""
+
+    def __init__(self, pool: HostPool, layout: SparseModelLayout,
+                 geometry: PoolGeometry) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.geometry = geometry
+        self._meta = pool.view(torch.int64, (_META_SLOTS,))
+        self.owners = pool.view(torch.int64, (geometry.total_blocks,), _META_SLOTS * 8)
+        self.rows = pool.view(layout.kv_dtype,
+                              (layout.num_layers, geometry.total_rows, layout.row_dim),
+                              geometry.header_bytes)
+
+    def _expected_meta(self) -> list[int]:
+        return [MAGIC, VERSION, self.layout.num_layers, self.layout.row_dim,
+                KV_DTYPES.index(self.layout.kv_dtype), self.geometry.block_size,
+                self.geometry.total_blocks]
+
+    @classmethod
+    def create(cls, name: str, nbytes: int, layout: SparseModelLayout,
+               block_size: int) -> HostKVStore:
+        plan_pool(nbytes, layout, block_size)  # refuse a too-small size before creating
+        pool = HostPool.create(name, nbytes)
+        store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size))
+        store.owners.fill_(NO_OWNER)
+        store._meta[:len(META_FIELDS)] = torch.tensor(store._expected_meta())
+        return store
+
+    @classmethod
+    def attach(cls, name: str, layout: SparseModelLayout, block_size: int) -> HostKVStore:
+        pool = HostPool.attach(name)
+        geometry = plan_pool(pool.nbytes, layout, block_size)
+        store = cls(pool, layout, geometry)
+        found = store._meta[:len(META_FIELDS)].tolist()
+        expected = store._expected_meta()
+        if found != expected:
+            diff = {field: (have, want) for field, have, want in
+                    zip(META_FIELDS, found, expected, strict=True) if have != want}
+            pool.close()
+            raise TensorParallelError(
+                f"host pool {name!r} was created for another layout: (found, expected) per "
+                f"field {diff}; every TP rank must use the same model layout and block size")
+        return store
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s rows, ``[total_rows, latent + rope]``."""
+        return self.rows[layer]
+
+    def region(self, layer: int, taken: RowRange) -> tuple[int, int]:
+        """(address, bytes) of a range of one layer in this process: what a transfer fills."""
+        offset = (self.geometry.header_bytes
+                  + (layer * self.geometry.total_rows + taken.start) * self.layout.row_bytes)
+        return self.pool.ptr + offset, taken.rows * self.layout.row_bytes
+
+    def set_owner(self, taken: RowRange, owner: int) -> None:
+        block = self.geometry.block_size
+        self.owners[taken.start // block:taken.end // block] = owner
+
+    def check_owner(self, taken: RowRange, owner: int, rank: int) -> None:
+        """Fail if rank 0 recorded a different owner for these blocks (diverged allocation)."""
+        block = self.geometry.block_size
+        found = self.owners[taken.start // block:taken.end // block]
+        if bool((found != owner).any()):
+            others = sorted(set(found.tolist()) - {owner})
+            raise TensorParallelError(
+                f"TP rank {rank}: rows {taken.start}..{taken.end} of host pool "
+                f"{self.pool.name!r} belong to admission {others} on rank 0, not {owner}; "
+                "every rank must admit and finish the same requests in the same order")
+
+    def close(self) -> None:
+        self.pool.close()
