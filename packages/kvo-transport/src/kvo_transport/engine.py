@@ -1,0 +1,91 @@
+"""The TransferEngine protocol and the factory that picks a backend by name.
+
+Callers (the control plane, the vLLM glue) only see this protocol: register memory, then move
+batches of (local, remote, length) descriptors to or from a peer named by its session id. The
+backends live in their own modules and are imported only when selected, so a missing optional
+package costs nothing until someone asks for that backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvo_core.errors import ConfigError
+
+TRANSFER_BACKENDS = ("mooncake", "memfabric")
+
+
+class TransferEngine(Protocol):
+    """Batched, synchronous one-sided transfers between registered memory of two processes."""
+
+    @property
+    def backend(self) -> str:
+        """Backend name as given to create_transfer_engine ("mooncake" or "memfabric")."""
+        ...
+
+    @property
+    def protocol(self) -> str:
+        """Data-path protocol in use ("tcp"/"rdma" for Mooncake; "sdma"/... for MemFabric).
+
+        Both sides of a session must agree; the handshake compares it.
+        """
+        ...
+
+    @property
+    def session_id(self) -> str:
+        """What a peer passes as ``peer`` to read from or write to this engine's memory."""
+        ...
+
+    def register(self, ptr: int, length: int) -> None:
+        """Make [ptr, ptr + length) usable as a local or remote transfer range."""
+        ...
+
+    def unregister(self, ptr: int) -> None:
+        """Forget the region registered at exactly ``ptr``."""
+        ...
+
+    def read(
+        self,
+        peer: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        """Copy peer memory into local memory, descriptor by descriptor; raise TransferError."""
+        ...
+
+    def write(
+        self,
+        peer: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        """Copy local memory into peer memory, descriptor by descriptor; raise TransferError."""
+        ...
+
+    def close(self) -> None:
+        """Unregister everything and release the engine; later calls raise TransferError."""
+        ...
+
+
+def create_transfer_engine(backend: str = "mooncake", **options: Any) -> TransferEngine:
+    """Build the named backend with its options.
+
+    mooncake options: hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
+    device_name="". memfabric options: see kvo_transport.memfabric_engine.MemFabricOptions.
+    Raises ConfigError for an unknown backend or option, BackendUnavailableError (naming the pip
+    extra) when the backend's package is missing, TransferError when the engine fails to start.
+    """
+    if backend == "mooncake":
+        from kvo_transport.mooncake_engine import MooncakeTransferEngine
+
+        return MooncakeTransferEngine(**options)
+    if backend == "memfabric":
+        from kvo_transport.memfabric_engine import MemFabricTransferEngine
+
+        return MemFabricTransferEngine(**options)
+    raise ConfigError(
+        f"transfer backend {backend!r} is not known; allowed: {', '.join(TRANSFER_BACKENDS)}"
+    )

@@ -1,0 +1,245 @@
+"""The ``mooncake`` KVStore backend: a Mooncake Store client (MooncakeDistributedStore).
+
+Mooncake's plain put keeps an existing key's old value, so put_from uses the upsert call.
+Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
+because forcing could pull a value from under a concurrent reader.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvo_core.errors import ConfigError
+from kvo_transport.errors import StoreArgumentError, StoreError, backend_unavailable
+from kvo_transport.keyed_batch import check_keyed_batch, check_keys
+from kvo_transport.regions import RegionRegistry
+
+MIN_SEGMENT_BYTES = 16 << 20
+
+# Mooncake Store ErrorCode values (mooncake-store/include/types.h) that kvo reports by name.
+MOONCAKE_STORE_ERRORS = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -200: "NO_AVAILABLE_HANDLE (store full)",
+    -600: "INVALID_PARAMS (e.g. destination smaller than the value)",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
+OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703
+OBJECT_HAS_LEASE = -706
+
+
+def error_name(code: int) -> str:
+    return f"{code} {MOONCAKE_STORE_ERRORS.get(code, 'unknown error')}"
+
+
+def import_mooncake_store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise backend_unavailable("mooncake", "mooncake", exc) from exc
+    return MooncakeDistributedStore
+
+
+@attrs.frozen
+class MooncakeStoreOptions:
+    """Arguments of MooncakeDistributedStore.setup, plus kvo's remove() patience."""
+
+    master_address: str
+    hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    global_segment_size: int = MIN_SEGMENT_BYTES
+    local_buffer_size: int = MIN_SEGMENT_BYTES
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    remove_timeout_s: float = 5.0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> MooncakeStoreOptions:
+        allowed = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ConfigError(f"unknown mooncake store option(s) {unknown}; allowed: {allowed}")
+        if "master_address" not in options:
+            raise ConfigError(
+                "mooncake store option master_address is required (host:port of mooncake_master)"
+            )
+        made = cls(**options)
+        host, _, port = made.master_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"mooncake store option master_address={made.master_address!r} must be host:port"
+            )
+        for name in ("global_segment_size", "local_buffer_size"):
+            value = getattr(made, name)
+            if not isinstance(value, int) or value < MIN_SEGMENT_BYTES:
+                raise ConfigError(
+                    f"mooncake store option {name}={value!r} must be an int >= {MIN_SEGMENT_BYTES} "
+                    "(16 MiB; Mooncake rejects smaller segments)"
+                )
+        if made.protocol not in ("tcp", "rdma"):
+            raise ConfigError(
+                f"mooncake store option protocol={made.protocol!r}; allowed: tcp, rdma"
+            )
+        if not made.remove_timeout_s > 0:
+            raise ConfigError(
+                f"mooncake store option remove_timeout_s={made.remove_timeout_s!r} must be > 0"
+            )
+        return made
+
+
+class MooncakeKVStore:
+    """kvo's KVStore over one Mooncake Store client."""
+
+    backend = "mooncake"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = MooncakeStoreOptions.from_options(options)
+        store_class = import_mooncake_store_class()
+        self._store: Any = store_class()
+        o = self.options
+        rc = self._store.setup(
+            o.hostname,
+            o.metadata_server,
+            o.global_segment_size,
+            o.local_buffer_size,
+            o.protocol,
+            o.rdma_devices,
+            o.master_address,
+        )
+        if rc != 0:
+            raise StoreError(
+                f"Mooncake Store setup against master {o.master_address} failed with return code "
+                f"{rc} (is mooncake_master running there?)"
+            )
+        self._registry = RegionRegistry(StoreArgumentError)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _client(self) -> Any:
+        if self._closed:
+            raise StoreError(f"Mooncake store client for {self.options.master_address} is closed")
+        return self._store
+
+    def register(self, ptr: int, length: int) -> None:
+        store = self._client()
+        with self._lock:
+            region = self._registry.add(ptr, length)
+            rc = store.register_buffer(region.ptr, region.length)
+            if rc != 0:
+                self._registry.remove(region.ptr)
+                raise StoreError(f"Mooncake register_buffer({region}) failed: {error_name(rc)}")
+
+    def unregister(self, ptr: int) -> None:
+        store = self._client()
+        with self._lock:
+            region = self._registry.remove(ptr)
+            rc = store.unregister_buffer(region.ptr)
+        if rc != 0:
+            raise StoreError(f"Mooncake unregister_buffer({region}) failed: {error_name(rc)}")
+
+    def put_from(
+        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        store = self._client()
+        batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=True)
+        if not batch.keys:
+            return
+        codes = store.batch_upsert_from(batch.keys, batch.addrs, batch.lengths)
+        failed = {k: error_name(c) for k, c in zip(batch.keys, codes, strict=True) if c != 0}
+        if failed:
+            raise StoreError(
+                f"Mooncake put of {len(failed)}/{len(batch.keys)} keys failed: {failed}"
+            )
+
+    def get_into(
+        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
+    ) -> list[bool]:
+        store = self._client()
+        batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=False)
+        if not batch.keys:
+            return []
+        codes = store.batch_get_into(batch.keys, batch.addrs, batch.lengths)
+        found: list[bool] = []
+        failed: dict[str, str] = {}
+        for key, size, code in zip(batch.keys, batch.lengths, codes, strict=True):
+            if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+                found.append(False)
+            elif code == size:
+                found.append(True)
+            elif code >= 0:
+                failed[key] = f"stored value has {code} bytes, destination has {size}"
+                found.append(False)
+            else:
+                failed[key] = error_name(code)
+                found.append(False)
+        if failed:
+            raise StoreError(
+                f"Mooncake get of {len(failed)}/{len(batch.keys)} keys failed: {failed}"
+            )
+        return found
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        store = self._client()
+        checked = check_keys(keys)
+        if not checked:
+            return []
+        codes = store.batch_is_exist(checked)
+        failed = [k for k, c in zip(checked, codes, strict=True) if c not in (0, 1)]
+        if failed:
+            raise StoreError(f"Mooncake exists() could not query keys {failed}")
+        return [c == 1 for c in codes]
+
+    def remove(self, keys: Sequence[str]) -> None:
+        store = self._client()
+        pending = check_keys(keys)
+        deadline = time.monotonic() + self.options.remove_timeout_s
+        while pending:
+            codes = store.batch_remove(pending)
+            leased = [k for k, c in zip(pending, codes, strict=True) if c == OBJECT_HAS_LEASE]
+            failed = {
+                k: error_name(c)
+                for k, c in zip(pending, codes, strict=True)
+                if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)
+            }
+            if failed:
+                raise StoreError(f"Mooncake remove failed for keys {failed}")
+            if leased and time.monotonic() > deadline:
+                raise StoreError(
+                    f"Mooncake remove: keys {leased} still hold a read lease after "
+                    f"{self.options.remove_timeout_s} s"
+                )
+            pending = leased
+            if pending:
+                time.sleep(0.02)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for region in self._registry.regions():
+                self._store.unregister_buffer(region.ptr)
+                self._registry.remove(region.ptr)
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> MooncakeKVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._registry)} regions"
+        return f"MooncakeKVStore(master={self.options.master_address}, {state})"
