@@ -1,4 +1,4 @@
-"""A tiny DeepSeek-V3.2-style decoder: MLA latent KV, a lightning indexer and top-k sparse attention.
+"""A tiny DeepSeek-V3.2-style decoder: MLA latent KV, lightning indexer, top-k sparse attention.
 
 It exists to prove sparse decode offload end to end: random weights from a fixed seed, a few
 layers, small widths, a small top-k, so that on a CPU the top-k changes from step to step over
@@ -138,7 +138,8 @@ class TinyDSA:
         )
         return rows, queries
 
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, layer: int, hidden: torch.Tensor,
+                     attention: torch.Tensor) -> torch.Tensor:
         """Residual attention output and MLP: the next layer's input."""
         w = self.layers[layer]
         hidden = hidden + attention.reshape(hidden.shape[0], -1) @ w["w_o"]

@@ -1,0 +1,57 @@
+"""Names of KV blocks in the store.
+
+A full block whose tokens are known is stored under its vLLM block hash (which chains over the
+whole prefix), so any request with the same prefix finds it: that is what makes a prefix-cache
+hit load through the store. A block that is not full yet, or whose hash is not known when it is
+written (async scheduling), is stored under the request id and block position instead; those
+keys are private to the request and removed when it finishes.
+
+The scheduler names blocks without knowing which worker will move them (``block_name``); each
+worker turns a name into its keys by adding its tensor-parallel rank and the layer index. Every
+key starts with a namespace derived from what makes KV bytes interchangeable (model, dtype,
+block geometry, parallel layout), so engines with different models or layouts can share one
+store without ever reading each other's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import attrs
+
+PREFIX = "kvo-lw"
+
+
+def namespace_for(parts: Sequence[object]) -> str:
+    """A short stable digest of everything that must match for two caches to be exchangeable."""
+    text = "|".join(repr(part) for part in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hashed_block_name(block_hash: bytes) -> str:
+    """Content-addressed name of one full block."""
+    return f"h/{bytes(block_hash).hex()}"
+
+
+def request_block_name(engine_id: str, request_id: str, block_position: int) -> str:
+    """Name of a request's own block (partial, or hashed too late to be shared)."""
+    return f"q/{engine_id}/{request_id}/{block_position}"
+
+
+def is_request_block(name: str) -> bool:
+    return name.startswith("q/")
+
+
+@attrs.frozen
+class StoreKeys:
+    """Turns block names into store keys for one tensor-parallel rank."""
+
+    namespace: str
+    rank: int = 0
+
+    def key(self, block_name: str, layer: int) -> str:
+        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/L{layer}"
+
+    def for_rank(self, rank: int) -> StoreKeys:
+        return attrs.evolve(self, rank=rank)

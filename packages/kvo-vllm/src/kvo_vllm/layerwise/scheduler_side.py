@@ -1,0 +1,170 @@
+"""Scheduler half of the layerwise connector: store prefix hits and the per-step transfer plan.
+
+Per scheduled request and step (``ctx`` tokens computed before the step, ``end`` after it):
+
+- every block of ``[0, ctx)`` is listed for the shared-buffer layers to load again (their
+  device copy was overwritten by later layers of the same slot);
+- blocks of an external hit (found in the store, not in vLLM's local cache) are listed for
+  every layer;
+- blocks written by the step are listed to save. A block is saved under its hash once it is
+  full and its hash is known; until then under the request's own name. ``stored_hashed``
+  counts the leading blocks known to be in the store by hash; a block whose hash arrives
+  late (async scheduling) is saved by hash in the next step, right after it was loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvo_vllm.layerwise.keys import (
+    StoreKeys,
+    hashed_block_name,
+    request_block_name,
+)
+from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTransfers
+
+logger = logging.getLogger(__name__)
+
+_UNKNOWN = 1 << 62
+"""``stored_hashed`` before a request's first step: clamped to its context then."""
+
+
+@attrs.define
+class SchedulerStats:
+    """Prefix lookups in the store since start-up."""
+
+    lookups: int = 0
+    hit_requests: int = 0
+    hit_tokens: int = 0
+
+
+@attrs.define
+class _RequestState:
+    request: Any
+    stored_hashed: int = _UNKNOWN
+    external_tokens: int = 0
+
+
+class LayerwiseScheduler:
+    """Answers vLLM's scheduler-side connector calls for one engine."""
+
+    def __init__(self, *, block_size: int, layer_indices: Sequence[int], keys: StoreKeys,
+                 tp_size: int, engine_id: str, store_exists: Callable[[list[str]], list[bool]],
+                 block_ids_of: Callable[[str], list[int]]) -> None:
+        self._block_size = block_size
+        self._layers = tuple(layer_indices)
+        self._keys = keys
+        self._tp_size = tp_size
+        self._engine_id = engine_id
+        self._exists = store_exists
+        self._block_ids_of = block_ids_of
+        self._requests: dict[str, _RequestState] = {}
+        self.stats = SchedulerStats()
+
+    # -- prefix hits --------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = _RequestState(request=request)
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` whose every layer (and rank) is in the store.
+
+        Whole blocks only, and never the last prompt token: vLLM must compute at least one
+        token to sample from.
+        """
+        size = self._block_size
+        first = num_computed_tokens // size
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // size)
+        if last <= first or num_computed_tokens % size:
+            return 0
+        names = [hashed_block_name(h) for h in request.block_hashes[first:last]]
+        per_block = len(self._layers) * self._tp_size
+        keys = [self._keys.for_rank(rank).key(name, layer)
+                for name in names for rank in range(self._tp_size) for layer in self._layers]
+        try:
+            present = self._exists(keys)
+        except Exception as error:  # a store outage is a cache miss, not a failed request
+            logger.warning("kvo layerwise: store lookup failed, treating as a miss: %s", error)
+            return 0
+        found = 0
+        for position in range(len(names)):
+            if not all(present[position * per_block:(position + 1) * per_block]):
+                break
+            found += 1
+        self.stats.lookups += 1
+        return found * size
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        state = self._requests.setdefault(request.request_id, _RequestState(request=request))
+        state.request = request
+        state.external_tokens = num_external_tokens
+        if num_external_tokens:
+            self.stats.hit_requests += 1
+            self.stats.hit_tokens += num_external_tokens
+
+    def request_finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # -- per-step plan ------------------------------------------------------------------
+
+    def build_metadata(self, scheduler_output: Any) -> LayerwiseMetadata:
+        size = self._block_size
+        steps = []
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(request_id)
+            if state is None:
+                raise RuntimeError(
+                    f"kvo layerwise: request {request_id!r} was scheduled but never announced "
+                    f"to the connector (on_new_request / update_state_after_alloc)")
+            ctx = state.request.num_computed_tokens
+            steps.append((request_id, state, ctx, ctx + scheduled,
+                          self._block_ids_of(request_id)))
+        # Blocks this step writes whole. Another request of the same step may already count
+        # them as computed (vLLM caches a block when it is allocated); the step's own cache
+        # write fills them before attention reads them, and the store has nothing yet.
+        written_whole = {block_ids[i] for _, _, ctx, end, block_ids in steps
+                         for i in range(-(-ctx // size), end // size)}
+        plans = [self._plan_request(request_id, state, ctx, end, block_ids, written_whole)
+                 for request_id, state, ctx, end, block_ids in steps]
+        if plans:
+            # Loads and slot waits must happen before the first layer writes its cache, so
+            # start_load_kv has to run before the forward on every step with work (vLLM only
+            # orders it so for steps it knows have synchronous loads).
+            scheduler_output.has_sync_kv_loads = True
+        return LayerwiseMetadata(requests=tuple(plans))
+
+    def _plan_request(self, request_id: str, state: _RequestState, ctx: int, end: int,
+                      block_ids: list[int], written_whole: set[int]) -> RequestTransfers:
+        size = self._block_size
+        hashes = state.request.block_hashes
+        # Leading blocks in the store by hash. A rollback (preemption, failed load) can only
+        # lower it; the first step sets it to the prefix hit, which vLLM only takes by hash.
+        stored = min(state.stored_hashed, ctx // size)
+        hashable = min(end // size, len(hashes))
+
+        def name(position: int) -> str:
+            if position < stored:
+                return hashed_block_name(hashes[position])
+            return request_block_name(self._engine_id, request_id, position)
+
+        context_blocks = -(-ctx // size)
+        shared = tuple(BlockRef(block_ids[i], name(i)) for i in range(context_blocks)
+                       if block_ids[i] not in written_whole)
+        external: tuple[BlockRef, ...] = ()
+        if state.external_tokens:
+            begin = (ctx - state.external_tokens) // size
+            external = tuple(BlockRef(block_ids[i], hashed_block_name(hashes[i]))
+                             for i in range(begin, ctx // size))
+            state.external_tokens = 0
+        saves = [BlockRef(block_ids[i], hashed_block_name(hashes[i]))
+                 for i in range(stored, hashable)]
+        written = range(max(ctx // size, stored, hashable), -(-end // size))
+        saves.extend(BlockRef(block_ids[i], request_block_name(self._engine_id, request_id, i))
+                     for i in written)
+        state.stored_hashed = max(stored, hashable)
+        return RequestTransfers(request_id=request_id, load_every_layer=external,
+                                load_shared_layers=shared, save=tuple(saves))

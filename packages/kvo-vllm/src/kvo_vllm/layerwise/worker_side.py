@@ -1,0 +1,340 @@
+"""Worker half of the layerwise connector: the per-layer load / save pipeline.
+
+Order of one layer's work in vLLM 0.32 on CPU (``Attention.forward``):
+``unified_kv_cache_update`` writes the step's new K/V into the layer's cache, then
+``unified_attention_with_output`` runs, wrapped by ``wait_for_layer_load`` (entry) and
+``save_kv_layer`` (exit). The cache is written *before* ``wait_for_layer_load``, so a layer's
+buffer must be ready (its slot released by the previous occupant's save, its context loaded)
+before its predecessor in the forward returns. Hence:
+
+- ``start_step`` (from ``start_load_kv``, run before the forward) readies the first layer;
+- ``after_attention(L)`` (from ``save_kv_layer``) submits L's save, closes L's slot gate until
+  the save is done, then readies layer L+1 (already prefetched in the background when
+  ``prefetch_depth`` > 0) and starts prefetching the next ones;
+- readying a layer = wait on its slot gate (the previous occupant's save), then load the
+  blocks the scheduler listed into the slot;
+- ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
+
+A failed load is reported as invalid blocks (vLLM then recomputes or fails the request, as
+configured); a failed save poisons its keys so nothing ever loads the stale value.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+
+from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
+from kvo_core.gates import SlotGates, SlotKey
+from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
+from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, check_aliasing
+from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
+
+logger = logging.getLogger(__name__)
+
+LoadHook = Callable[[str, torch.Tensor, list[int]], None]
+"""Called after a layer's blocks were loaded: (layer name, layer cache, loaded block ids)."""
+ExtraParts = Callable[[str, int], Iterable[str]]
+"""Further consumers of a layer's buffer for one step: (layer name, step) -> part names."""
+
+STORE_PART = "store"
+
+
+class PipelineError(KvoError, RuntimeError):
+    """The per-layer pipeline was driven out of order or could not finish a layer in time."""
+
+
+@attrs.define
+class LayerwiseStats:
+    """Counters since start-up (read by tests and the benchmark)."""
+
+    steps: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    failed_loads: int = 0
+    failed_saves: int = 0
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    ready_wait_seconds: float = 0.0
+    """Time the forward waited for a layer to be ready (slot release + load not yet done)."""
+    step_end_wait_seconds: float = 0.0
+    """Time ``wait_for_save`` waited for the step's last saves (not overlapped with compute)."""
+    loaded_blocks_by_layer: dict[int, int] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class _Buffer:
+    layer: PlannedLayer
+    tensor: torch.Tensor
+    pointer: int
+    slot: SlotKey
+
+
+class LayerwiseWorker:
+    """Drives loads and saves around each attention layer of one worker."""
+
+    def __init__(self, *, layout: LayerLayout, keys: StoreKeys, store: Any,
+                 prefetch_depth: int, layer_deadline_s: float) -> None:
+        self.layout = layout
+        self.keys = keys
+        self.store = store
+        self.prefetch_depth = prefetch_depth
+        self.layer_deadline_s = layer_deadline_s
+        self.gates = SlotGates()
+        self.extra_parts: ExtraParts | None = None
+        self.load_hook: LoadHook | None = None
+        self.stats = LayerwiseStats()
+        self._stats_lock = threading.Lock()
+        self._buffers: dict[str, _Buffer] = {}
+        self._order: list[str] = [layer.name for layer in layout.layers]
+        self._position = {name: i for i, name in enumerate(self._order)}
+        self._registered: list[int] = []
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
+        # Removals may wait out a store read lease; they must never hold up a save.
+        self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-clean")
+        self._poisoned: set[str] = set()
+        self._poison_lock = threading.Lock()
+        self._request_blocks: dict[str, set[str]] = {}
+        self._load_errors: set[int] = set()
+        self._step = 0
+        self._meta: LayerwiseMetadata | None = None
+        self._loads: dict[bool, list[BlockRef]] = {}
+        self._saves: list[BlockRef] = []
+        self._pending_loads: dict[str, Future[list[int]]] = {}
+        self._ready: set[str] = set()
+        self._save_futures: list[Future[None]] = []
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        check_aliasing(self.layout, kv_caches)
+        for layer in self.layout.layers:
+            tensor = kv_caches[layer.name]
+            self._buffers[layer.name] = _Buffer(layer=layer, tensor=tensor,
+                                                pointer=tensor.data_ptr(),
+                                                slot=(tensor.data_ptr(),))
+        start = min(b.pointer for b in self._buffers.values())
+        self.store.register(start, self.layout.physical_bytes)
+        self._registered.append(start)
+        logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
+                    self.layout.describe(), self.layout.physical_bytes,
+                    self.layout.logical_bytes,
+                    self.layout.physical_bytes / self.layout.logical_bytes)
+
+    def slot_key(self, layer_name: str) -> SlotKey:
+        return self._buffers[layer_name].slot
+
+    # -- one step -----------------------------------------------------------------------
+
+    def start_step(self, meta: LayerwiseMetadata) -> None:
+        """Begin a step: ready the first layer and prefetch the following ones."""
+        if not self._buffers:
+            raise PipelineError("register_kv_caches must run before the first step")
+        self._step += 1
+        self._meta = meta
+        self._ready = set()
+        self._pending_loads = {}
+        self._save_futures = []
+        if not meta.has_work:
+            return
+        with self._stats_lock:
+            self.stats.steps += 1
+        self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
+        self._saves = meta.saves()
+        for request in meta.requests:
+            names = {ref.name for ref in request.save if is_request_block(ref.name)}
+            if names:
+                self._request_blocks.setdefault(request.request_id, set()).update(names)
+        self._prefetch_from(0)
+        self._make_ready(0)
+
+    def before_attention(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
+        if not self._active() or layer_name not in self._position:
+            return
+        if layer_name not in self._ready:
+            raise PipelineError(
+                f"layer {layer_name!r} reached attention before its buffer was made ready; "
+                f"start_load_kv must run before the forward (vLLM hook order changed?)")
+
+    def after_attention(self, layer_name: str) -> None:
+        """``save_kv_layer``: save this layer, then ready the next one."""
+        if not self._active() or layer_name not in self._position:
+            return
+        buffer = self._buffers[layer_name]
+        part = f"{STORE_PART}:{self._step}:{buffer.layer.index}"
+        parts = {part}
+        if self.extra_parts is not None:
+            parts.update(self.extra_parts(layer_name, self._step))
+        self.gates.close(buffer.slot, parts)
+        self._save_futures.append(self._saver.submit(self._save_layer, buffer, part,
+                                                     list(self._saves)))
+        position = self._position[layer_name] + 1
+        if position < len(self._order):
+            self._prefetch_from(position)
+            self._make_ready(position)
+
+    def finish_step(self) -> None:
+        """``wait_for_save``: every save of the step is done (the next step loads them)."""
+        started = time.perf_counter()
+        for future in self._save_futures:
+            future.result()
+        if self._save_futures:
+            with self._stats_lock:
+                self.stats.step_end_wait_seconds += time.perf_counter() - started
+        self._save_futures = []
+        self._meta = None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Remove finished requests' private blocks from the store (in the background)."""
+        names: set[str] = set()
+        for request_id in request_ids:
+            names |= self._request_blocks.pop(request_id, set())
+        if names:
+            keys = [self.keys.key(name, layer.index)
+                    for name in sorted(names) for layer in self.layout.layers]
+            self._cleaner.submit(self._remove_quietly, keys)
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._saver.shutdown(wait=True, cancel_futures=True)
+        self._cleaner.shutdown(wait=True, cancel_futures=True)
+        for pointer in self._registered:
+            try:
+                self.store.unregister(pointer)
+            except Exception as error:  # shutting down: report, do not mask the real exit
+                logger.warning("kvo layerwise: unregistering KV memory failed: %s", error)
+        self._registered = []
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        return self._meta is not None and self._meta.has_work
+
+    def _prefetch_from(self, position: int) -> None:
+        last = min(position + self.prefetch_depth, len(self._order) - 1)
+        for i in range(position, last + 1):
+            name = self._order[i]
+            if name not in self._pending_loads and name not in self._ready:
+                self._pending_loads[name] = self._loader.submit(self._load_layer,
+                                                                self._buffers[name])
+
+    def _make_ready(self, position: int) -> None:
+        name = self._order[position]
+        future = self._pending_loads.pop(name)
+        started = time.perf_counter()
+        try:
+            failed = future.result(timeout=2 * self.layer_deadline_s)
+        except TimeoutError as error:
+            raise PipelineError(
+                f"layer {name!r} was not ready within {2 * self.layer_deadline_s:g} s "
+                f"(slot release or store load hung)") from error
+        waited = time.perf_counter() - started
+        with self._stats_lock:
+            self.stats.ready_wait_seconds += waited
+        self._load_errors.update(failed)
+        self._ready.add(name)
+
+    def _wait_slot(self, buffer: _Buffer) -> None:
+        """Wait until the previous occupant's consumers are done with the slot."""
+        try:
+            self.gates.wait(buffer.slot, self.layer_deadline_s)
+        except SlotFailedError as error:
+            # The round is over; the failed consumer's data is poisoned by its own handler.
+            logger.warning("kvo layerwise: %s", error)
+        except SlotTimeoutError as error:
+            logger.error("kvo layerwise: %s; giving up on it", error)
+            for part in self.gates.pending(buffer.slot):
+                self.gates.mark_failed(buffer.slot, part, error)
+
+    def _load_layer(self, buffer: _Buffer) -> list[int]:
+        self._wait_slot(buffer)
+        refs = self._loads[buffer.layer.shared]
+        if not refs:
+            return []
+        started = time.perf_counter()
+        layer = buffer.layer.index
+        size = self.layout.block_bytes
+        keys = [self.keys.key(ref.name, layer) for ref in refs]
+        with self._poison_lock:
+            usable = [key not in self._poisoned for key in keys]
+        chosen = [i for i, ok in enumerate(usable) if ok]
+        found = [False] * len(refs)
+        if chosen:
+            try:
+                result = self.store.get_into([keys[i] for i in chosen],
+                                             [buffer.pointer + refs[i].block_id * size
+                                              for i in chosen],
+                                             [size] * len(chosen))
+                for i, ok in zip(chosen, result, strict=True):
+                    found[i] = bool(ok)
+            except Exception as error:
+                logger.error("kvo layerwise: loading layer %s failed: %s",
+                             buffer.layer.name, error)
+        failed = [ref.block_id for ref, ok in zip(refs, found, strict=True) if not ok]
+        loaded = [ref.block_id for ref, ok in zip(refs, found, strict=True) if ok]
+        if failed:
+            logger.warning("kvo layerwise: layer %s: %d of %d blocks missing from the store",
+                           buffer.layer.name, len(failed), len(refs))
+        if self.load_hook is not None and loaded:
+            self.load_hook(buffer.layer.name, buffer.tensor, loaded)
+        with self._stats_lock:
+            self.stats.loaded_blocks += len(loaded)
+            by_layer = self.stats.loaded_blocks_by_layer
+            by_layer[layer] = by_layer.get(layer, 0) + len(loaded)
+            self.stats.loaded_bytes += len(loaded) * size
+            self.stats.failed_loads += len(failed)
+            self.stats.load_seconds += time.perf_counter() - started
+        return failed
+
+    def _save_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
+        started = time.perf_counter()
+        layer = buffer.layer.index
+        size = self.layout.block_bytes
+        keys = [self.keys.key(ref.name, layer) for ref in refs]
+        try:
+            if keys:
+                self.store.put_from(keys, [buffer.pointer + ref.block_id * size for ref in refs],
+                                    [size] * len(keys))
+        except Exception as error:
+            logger.error("kvo layerwise: saving layer %s failed: %s", buffer.layer.name, error)
+            self._poison(keys)
+            with self._stats_lock:
+                self.stats.failed_saves += len(keys)
+            self.gates.mark_failed(buffer.slot, part, error)
+            return
+        if not self.gates.mark_done(buffer.slot, part):
+            # The slot was given up on (deadline) and may have been overwritten mid-save.
+            self._poison(keys)
+            return
+        with self._poison_lock:
+            self._poisoned.difference_update(keys)
+        with self._stats_lock:
+            self.stats.saved_blocks += len(keys)
+            self.stats.saved_bytes += len(keys) * size
+            self.stats.save_seconds += time.perf_counter() - started
+
+    def _poison(self, keys: list[str]) -> None:
+        with self._poison_lock:
+            self._poisoned.update(keys)
+        self._cleaner.submit(self._remove_quietly, keys)
+
+    def _remove_quietly(self, keys: list[str]) -> None:
+        try:
+            self.store.remove(keys)
+        except Exception as error:  # best effort: poisoned keys are never loaded anyway
+            logger.debug("kvo layerwise: removing %d keys failed: %s", len(keys), error)

@@ -1,0 +1,186 @@
+"""The worker half's per-layer pipeline, driven like vLLM's CPU attention drives it.
+
+An in-memory store stands in for Mooncake (fakes only for this unit test of kvo's own logic;
+the real store runs in tests/e2e). It copies real memory ranges, so what a layer loads into
+its aliased buffer, and when, is observable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+import torch
+from vllm.v1.attention.backend import KVCacheLayout
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvo_core.config import LayerwiseOffloadConfig
+from kvo_vllm.layerwise.keys import StoreKeys
+from kvo_vllm.layerwise.layout import apply_layout, plan_layout
+from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTransfers
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker, PipelineError
+
+NUM_BLOCKS = 4
+SPEC = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+KEYS = StoreKeys(namespace="t")
+
+
+class MemoryStore:
+    """Keys to bytes; records the order of puts and gets, can be slowed or broken."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.events: list[tuple[str, str, float]] = []
+        self.put_delay = 0.0
+        self.fail_puts_for: set[str] = set()
+        self.lock = threading.Lock()
+
+    def register(self, ptr: int, length: int) -> None:
+        self.region = (ptr, length)
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+    def put_from(self, keys, addrs, lengths) -> None:
+        time.sleep(self.put_delay)
+        if any(k in self.fail_puts_for for k in keys):
+            raise RuntimeError("put failed")
+        with self.lock:
+            for key, addr, length in zip(keys, addrs, lengths, strict=True):
+                self.values[key] = ctypes.string_at(addr, length)
+                self.events.append(("put", key, time.monotonic()))
+
+    def get_into(self, keys, addrs, lengths) -> list[bool]:
+        found = []
+        with self.lock:
+            for key, addr, length in zip(keys, addrs, lengths, strict=True):
+                self.events.append(("get", key, time.monotonic()))
+                value = self.values.get(key)
+                if value is not None:
+                    ctypes.memmove(addr, value, length)
+                found.append(value is not None)
+        return found
+
+    def exists(self, keys) -> list[bool]:
+        return [k in self.values for k in keys]
+
+    def remove(self, keys) -> None:
+        with self.lock:
+            for key in keys:
+                self.values.pop(key, None)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rig():
+    page = SPEC.page_size_bytes
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=len(NAMES) * NUM_BLOCKS * page, layers=NAMES,
+                                        layer_stride=NUM_BLOCKS * page, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(NAMES, SPEC)])
+    layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1))
+    apply_layout(config, layout)
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
+    store = MemoryStore()
+    worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
+                             layer_deadline_s=5.0)
+    worker.register_kv_caches(caches)
+    yield worker, store, caches
+    worker.close()
+
+
+def forward(worker: LayerwiseWorker, caches: dict, meta: LayerwiseMetadata,
+            write: dict[int, float], seen: dict[str, torch.Tensor] | None = None) -> None:
+    """One step as vLLM runs it: per layer cache write, wait hook, attention, save hook."""
+    worker.start_step(meta)
+    for name in NAMES:
+        layer = int(name.split(".")[2])
+        for block, base in write.items():
+            caches[name][block].fill_(base + layer)  # unified_kv_cache_update
+        worker.before_attention(name)  # wait_for_layer_load
+        if seen is not None:
+            seen[name] = caches[name].clone()  # what attention reads
+        worker.after_attention(name)  # save_kv_layer
+    worker.finish_step()
+
+
+def step_meta(*, save: list[tuple[int, str]] = (), shared: list[tuple[int, str]] = (),
+              every: list[tuple[int, str]] = ()) -> LayerwiseMetadata:
+    refs = lambda pairs: tuple(BlockRef(b, n) for b, n in pairs)  # noqa: E731
+    return LayerwiseMetadata(requests=(RequestTransfers(
+        request_id="r", load_every_layer=refs(every), load_shared_layers=refs(shared),
+        save=refs(save)),))
+
+
+def test_every_layer_sees_its_own_context_although_buffers_are_shared(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    assert {k for k in store.values} == {KEYS.key("b1", i) for i in range(6)}
+    seen: dict[str, torch.Tensor] = {}
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 200.0},
+            seen)
+    for i, name in enumerate(NAMES):
+        assert torch.all(seen[name][1] == 100.0 + i), name  # reloaded, not a neighbour's
+        assert torch.all(seen[name][2] == 200.0 + i), name
+    assert worker.stats.loaded_blocks == 5  # layer 0 has its own buffer
+    assert worker.stats.loaded_blocks_by_layer == {i: 1 for i in range(1, 6)}
+
+
+def test_a_shared_buffer_is_refilled_only_after_the_previous_save_finished(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+    store.events.clear()
+    store.put_delay = 0.05
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0})
+    time_of = {(kind, key): t for kind, key, t in store.events}
+    for layer in range(3, 6):  # layer L reuses layer L-2's buffer
+        saved = time_of[("put", KEYS.key("b2", layer - 2))]
+        loaded = time_of[("get", KEYS.key("b1", layer))]
+        assert saved < loaded, f"layer {layer} overwrote layer {layer - 2} before its save"
+
+
+def test_a_missing_block_is_reported_as_a_load_error(rig) -> None:
+    worker, _, caches = rig
+    forward(worker, caches, step_meta(every=[(3, "never-saved")]), {})
+    assert worker.take_load_errors() == {3}
+    assert worker.take_load_errors() == set()
+    assert worker.stats.failed_loads == 6
+
+
+def test_a_failed_save_is_never_loaded_later(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+    store.fail_puts_for = {KEYS.key("b1", 3)}
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 9.0})
+    assert worker.stats.failed_saves == 1
+    store.fail_puts_for = set()
+    store.values[KEYS.key("b1", 3)] = bytes(SPEC.page_size_bytes)  # a stale value survives
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0})
+    assert worker.take_load_errors() == {1}
+
+
+def test_the_first_layer_must_be_made_ready_before_attention(rig) -> None:
+    worker = rig[0]
+    worker._meta = step_meta(save=[(1, "b1")])  # bound metadata, but start_step never ran
+    with pytest.raises(PipelineError, match="before its buffer was made ready"):
+        worker.before_attention(NAMES[0])
+
+
+def test_request_blocks_are_removed_when_the_request_finishes(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "q/E/r/0"), (2, "h/ab")]), {1: 1.0, 2: 2.0})
+    worker.forget_requests({"r"})
+    worker._cleaner.submit(lambda: None).result()
+    assert {k for k in store.values} == {KEYS.key("h/ab", i) for i in range(6)}

@@ -1,0 +1,263 @@
+"""End to end: LayerwiseStoreConnector in a real vLLM (CPU) engine with a real Mooncake store.
+
+One plain engine (no kvo) gives the reference answers; one engine with the connector (8 layers
+in 3 physical buffers) must give exactly the same tokens and logprobs, with its buffers aliased
+in the live KV cache, its prefix hits loaded from the store, and its output visibly changed when
+a loaded block is corrupted. Prefills are chunked, so which tokens a step computes depends on
+the prefix hit, and CPU matmuls round differently for different chunks (by ~1e-5 in a
+logprob): a cold run is compared with plain vLLM's cold run, a store hit with plain vLLM's
+local prefix-cache hit. Both engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING
+=0``, ``uni`` executor), each started once per module.
+
+Mooncake listens on every interface, so this runs inside a loopback-only network namespace:
+``nox -s e2e`` does that; by hand::
+
+    unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 HF_HUB_OFFLINE=1 \\
+      VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 \\
+      python -m pytest -q tests/e2e/test_layerwise.py'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
+           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
+           "nox -s e2e does this)")
+
+NUM_LAYERS = 8
+SHARED_BUFFERS = 2
+PHYSICAL_BUFFERS = 1 + SHARED_BUFFERS  # layer 0 independent, layers 1..7 round robin in 2
+BLOCK_SIZE = 32  # several full blocks and a partial one per prompt
+STEP_TOKENS = 96  # chunked prefills mixed with decodes: later chunks reload earlier ones
+MAX_TOKENS = 6
+# Different lengths: whole blocks, partial tails, one prompt a prefix of another.
+PROMPTS = [
+    "The layerwise offload keeps few buffers on the device. " * 3,
+    "A store holds every layer; prefix hits load through it, block by block. " * 4,
+    "The layerwise offload keeps few buffers on the device. " * 3 + "Then decode continues.",
+]
+
+
+Answers = list[tuple[list[int], list[float]]]
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> Iterator[None]:
+    """In-process engines; the other variables are the nox session's (set them by hand)."""
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_layers=NUM_LAYERS)
+
+
+def _engine(model: Path, **extra: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(model), dtype="float32", enforce_eager=True,
+               distributed_executor_backend="uni",
+               max_model_len=1024, block_size=BLOCK_SIZE, max_num_batched_tokens=STEP_TOKENS,
+               seed=0, **extra)
+
+
+def _stop(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _generate(llm: Any, prompts: list[str] = PROMPTS) -> Answers:
+    """Greedy tokens and their logprobs, per prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                            ignore_eos=True)
+    results = []
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
+                                                                strict=True)]
+        results.append((tokens, logprobs))
+    return results
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Plain vLLM's answers: computed from scratch, and again with its prefix cache warm."""
+
+    cold: Answers
+    prefix_hit: Answers
+
+
+@pytest.fixture(scope="module")
+def reference(engine_env: None, tiny_model: Path) -> Reference:
+    llm = _engine(tiny_model)
+    try:
+        return Reference(cold=_generate(llm), prefix_hit=_generate(llm))
+    finally:
+        _stop(llm)
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[Any]:
+    from kvo_transport.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster() as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class KvoEngine:
+    llm: Any
+    cold: Answers
+    """Its first answers, with an empty store and an empty prefix cache."""
+
+
+@pytest.fixture(scope="module")
+def kvo(engine_env: None, tiny_model: Path, master: Any,
+        reference: Reference) -> Iterator[KvoEngine]:
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store_master_address": master.address,
+                                   "shared_buffers": SHARED_BUFFERS,
+                                   "independent_layers": [0], "prefetch_depth": 1})
+    llm = _engine(tiny_model, kv_transfer_config=transfer)
+    try:
+        yield KvoEngine(llm=llm, cold=_generate(llm))
+    finally:
+        _stop(llm)
+
+
+def _worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvo_vllm.layerwise import LayerwiseStoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, LayerwiseStoreConnector)
+    return connector
+
+
+def _scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _live_kv_caches(worker: Any) -> dict[str, tuple[int, int]]:
+    """Per attention layer the cache vLLM's layers actually use: (data_ptr, bytes)."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    caches = {}
+    for name, module in context.items():
+        cache = getattr(module, "kv_cache", None)
+        if name.endswith(".attn") and cache is not None and cache.numel():
+            caches[name] = (cache.data_ptr(), cache.numel() * cache.element_size())
+    return caches
+
+
+def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Reference) -> None:
+    assert kvo.cold == reference.cold
+    stats = _worker_connector().stats
+    assert stats.saved_blocks > 0
+    # Later chunks and decode steps refill the shared buffers from the store.
+    assert stats.loaded_blocks > 0
+    assert stats.failed_loads == 0 and stats.failed_saves == 0
+
+
+def test_buffer_reuse_is_active_in_the_live_kv_cache(kvo: KvoEngine) -> None:
+    caches = kvo.llm.collective_rpc(_live_kv_caches)[0]
+    assert len(caches) == NUM_LAYERS
+    pointers = {pointer for pointer, _ in caches.values()}
+    assert len(pointers) == PHYSICAL_BUFFERS < NUM_LAYERS
+    by_pointer: dict[int, list[int]] = {}
+    for name, (pointer, _) in caches.items():
+        by_pointer.setdefault(pointer, []).append(int(name.split(".")[2]))
+    assert sorted(sorted(layers) for layers in by_pointer.values()) == [
+        [0], [1, 3, 5, 7], [2, 4, 6]]
+    layout = _worker_connector().layout
+    per_layer = {size for _, size in caches.values()}
+    assert per_layer == {layout.layer_region_bytes}
+    assert layout.physical_bytes * NUM_LAYERS == layout.logical_bytes * PHYSICAL_BUFFERS
+
+
+def test_prefix_hit_after_reset_loads_through_the_store(kvo: KvoEngine,
+                                                         reference: Reference) -> None:
+    worker, scheduler = _worker_connector(), _scheduler_connector(kvo.llm)
+    assert kvo.llm.reset_prefix_cache()  # vLLM's own cache is empty; the store is not
+    layer0_before = worker.stats.loaded_blocks_by_layer.get(0, 0)
+    hits_before = scheduler.scheduler_stats.hit_tokens
+
+    assert _generate(kvo.llm) == reference.prefix_hit
+
+    hit_tokens = scheduler.scheduler_stats.hit_tokens - hits_before
+    # At least every whole block of the longest prompt but its last token came from the store
+    # (the others may hit blocks the first prompt loaded in the same step, locally).
+    longest = max(len(kvo.llm.get_tokenizer()(p).input_ids) for p in PROMPTS)
+    assert hit_tokens >= (longest - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    # Layer 0 owns its buffer; it only loads blocks the scheduler took from the store.
+    assert worker.stats.loaded_blocks_by_layer.get(0, 0) - layer0_before == (
+        hit_tokens // BLOCK_SIZE)
+
+
+def test_corrupted_loaded_block_changes_the_output(kvo: KvoEngine,
+                                                   reference: Reference) -> None:
+    import torch
+
+    connector = _worker_connector()
+    generator = torch.Generator().manual_seed(0)
+    corrupted: list[str] = []
+
+    def corrupt(layer_name: str, cache: torch.Tensor, block_ids: list[int]) -> None:
+        block = cache[block_ids[0]]
+        block.copy_(torch.randn(block.shape, generator=generator, dtype=block.dtype))
+        corrupted.append(layer_name)
+
+    connector.set_load_hook(corrupt)
+    try:
+        assert kvo.llm.reset_prefix_cache()
+        damaged = _generate(kvo.llm)
+    finally:
+        connector.set_load_hook(None)
+    assert corrupted
+    assert damaged != reference.prefix_hit
+    # The damage stayed on the device: the store still holds the right blocks.
+    assert kvo.llm.reset_prefix_cache()
+    assert _generate(kvo.llm) == reference.prefix_hit
+
+
+def test_refuses_to_run_without_eager_mode(tiny_model: Path, master: Any) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvo_vllm.layerwise import EagerModeRequiredError, LayerwiseStoreConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
+        kv_role="kv_both", kv_connector_extra_config={"store_master_address": master.address})
+    config = EngineArgs(model=str(tiny_model), enforce_eager=False, kv_transfer_config=transfer,
+                        distributed_executor_backend="uni").create_engine_config()
+    with pytest.raises(EagerModeRequiredError, match=r"requires eager mode.*enforce_eager=True"):
+        LayerwiseStoreConnector(config, KVConnectorRole.SCHEDULER, None)
