@@ -1,0 +1,105 @@
+"""Boundary checks for residency tables: bad input fails here, with the value and what is allowed.
+
+Both implementations call these before touching any state, so an invalid call never leaves a
+table half updated.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvo_core.residency.state import RequestState, ResidencyInputError
+
+DEFAULT_MAX_SEQ_LEN = 1 << 20
+"""Default bound on token positions (exclusive). A larger selected position is a caller bug."""
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ResidencyInputError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_dimensions(rows: object, capacity: object, max_seq_len: object) -> tuple[int, int, int]:
+    """Validate a table's constructor arguments and return them as ints."""
+    return (_positive_int("rows", rows), _positive_int("capacity", capacity),
+            _positive_int("max_seq_len", max_seq_len))
+
+
+def _int64_tensor(name: str, value: object, ndim: int, rows: int,
+                  device: torch.device | None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ResidencyInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != torch.int64:
+        raise ResidencyInputError(f"{name} must have dtype torch.int64, got {value.dtype}")
+    if value.dim() != ndim or value.shape[0] != rows:
+        want = f"[{rows}, K]" if ndim == 2 else f"[{rows}]"
+        raise ResidencyInputError(
+            f"{name} must have shape {want} (one entry per residency row), "
+            f"got {list(value.shape)}")
+    if device is not None and value.device != device:
+        raise ResidencyInputError(f"{name} must be on {device}, got {value.device}")
+    return value
+
+
+@attrs.frozen(eq=False)
+class CheckedUpdate:
+    """What validation learned and both implementations need next."""
+
+    states: torch.Tensor
+    """[R] int64 request states (STEADY where the caller passed None)."""
+    in_range: torch.Tensor
+    """[R, K] bool: False for padding (negative, or at/after ``seq_lens[r]`` when given)."""
+    max_token: int
+    """Largest in-range top-k entry, -1 when there is none."""
+
+
+def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: object,
+                        stable_lens: object, states: object, seq_lens: object,
+                        device: torch.device | None = None) -> CheckedUpdate:
+    """Validate one update's arguments (nothing is changed yet when this raises).
+
+    Top-k entries that are negative, or at/after ``seq_lens[r]`` when given, are padding.
+    Every other entry must be below ``max_seq_len``.
+    """
+    topk_t = _int64_tensor("topk", topk, 2, rows, device)
+    if topk_t.shape[1] < 1:
+        raise ResidencyInputError(f"topk must have at least one column, got {list(topk_t.shape)}")
+    _int64_tensor("request_ids", request_ids, 1, rows, device)
+    stable = _int64_tensor("stable_lens", stable_lens, 1, rows, device)
+    if bool((stable < 0).any()):
+        raise ResidencyInputError(
+            f"stable_lens must be >= 0, got {stable.tolist()}")
+    in_range = topk_t >= 0
+    if seq_lens is not None:
+        lens = _int64_tensor("seq_lens", seq_lens, 1, rows, device)
+        if bool((lens < 0).any()):
+            raise ResidencyInputError(f"seq_lens must be >= 0, got {lens.tolist()}")
+        in_range &= topk_t < lens[:, None]
+    # Largest in-range entry (-1 if none), without a where (slow on CPU for integers).
+    if seq_lens is None:
+        max_token = max(int(topk_t.max()), -1)
+    else:
+        max_token = int(((topk_t + 1) * in_range).max()) - 1
+    if max_token >= max_seq_len:
+        raise ResidencyInputError(
+            f"topk holds token position {max_token}, at or beyond max_seq_len={max_seq_len}; "
+            f"raise max_seq_len or pass seq_lens so such entries count as padding")
+    if states is None:
+        steady = torch.full((rows,), int(RequestState.STEADY), dtype=torch.int64,
+                            device=topk_t.device)
+        return CheckedUpdate(steady, in_range, max_token)
+    states_t = _int64_tensor("states", states, 1, rows, device)
+    allowed = [int(s) for s in RequestState]
+    if bool((~torch.isin(states_t, torch.tensor(allowed, device=states_t.device))).any()):
+        raise ResidencyInputError(
+            f"states must hold only {allowed} (NOT_OFFLOADED, FIRST_OFFLOAD, STEADY), "
+            f"got {states_t.tolist()}")
+    return CheckedUpdate(states_t, in_range, max_token)
+
+
+def overflow_message(row: int, distinct: int, capacity: int) -> str:
+    """The one wording both implementations use for ResidencyOverflowError."""
+    return (f"row {row} selects {distinct} distinct tokens but the hot buffer has only "
+            f"{capacity} slots; capacity must be >= the distinct top-k tokens of a row")

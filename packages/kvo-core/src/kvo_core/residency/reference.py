@@ -1,0 +1,141 @@
+"""Pure-Python residency: the rules of DESIGN.md section 6, written to be read, not to be fast.
+
+Every other implementation (the vectorised table, the native op) is tested slot for slot
+against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvo_core.residency.inputs import (
+    DEFAULT_MAX_SEQ_LEN,
+    check_dimensions,
+    check_update_inputs,
+    overflow_message,
+)
+from kvo_core.residency.state import (
+    EMPTY,
+    NO_REQUEST,
+    RequestState,
+    ResidencyInputError,
+    ResidencyOverflowError,
+    ResidencyResult,
+)
+
+
+class ReferenceResidency:
+    """Per row: ``capacity`` slots, the token each holds, and the slots' LRU order."""
+
+    def __init__(self, rows: int, capacity: int, *,
+                 max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> None:
+        self._rows, self._capacity, self._max_seq_len = check_dimensions(
+            rows, capacity, max_seq_len)
+        self._slot_tokens = [[EMPTY] * capacity for _ in range(rows)]
+        self._lru = [list(range(capacity)) for _ in range(rows)]
+        self._requests = [NO_REQUEST] * rows
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def slot_tokens(self) -> torch.Tensor:
+        """[R, C] int64: the token each slot holds, -1 when empty."""
+        return torch.tensor(self._slot_tokens, dtype=torch.int64)
+
+    @property
+    def lru_order(self) -> torch.Tensor:
+        """[R, C] int64: slot ids, least recently used first."""
+        return torch.tensor(self._lru, dtype=torch.int64)
+
+    @property
+    def row_requests(self) -> torch.Tensor:
+        """[R] int64: the request each row serves, -1 for none."""
+        return torch.tensor(self._requests, dtype=torch.int64)
+
+    def reset_row(self, row: int) -> None:
+        """Forget everything a row holds (all slots empty, LRU order 0..C-1, no request)."""
+        if not isinstance(row, int) or not 0 <= row < self._rows:
+            raise ResidencyInputError(f"row must be in [0, {self._rows}), got {row!r}")
+        self._slot_tokens[row] = [EMPTY] * self._capacity
+        self._lru[row] = list(range(self._capacity))
+        self._requests[row] = NO_REQUEST
+
+    def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
+               states: torch.Tensor | None = None, *,
+               seq_lens: torch.Tensor | None = None) -> ResidencyResult:
+        """Apply one decode step's top-k selection to every row (see the module rules)."""
+        checked = check_update_inputs(
+            self._rows, self._max_seq_len, topk, request_ids, stable_lens, states, seq_lens)
+        rows = topk.tolist()
+        in_range = checked.in_range.tolist()
+        row_states = [RequestState(s) for s in checked.states.tolist()]
+        selections = [_distinct([t for t, ok in zip(row, oks, strict=True) if ok])
+                      for row, oks in zip(rows, in_range, strict=True)]
+        # Check every row before changing any, so an overflow leaves the table as it was.
+        for r, selected in enumerate(selections):
+            if row_states[r] != RequestState.NOT_OFFLOADED and len(selected) > self._capacity:
+                raise ResidencyOverflowError(overflow_message(r, len(selected), self._capacity))
+
+        width = len(rows[0])
+        slots, miss_counts, miss_tokens, miss_slots = [], [], [], []
+        for r, (row, oks) in enumerate(zip(rows, in_range, strict=True)):
+            misses: list[int]
+            filled: list[int]
+            if row_states[r] == RequestState.NOT_OFFLOADED:
+                slots.append([t if ok else EMPTY for t, ok in zip(row, oks, strict=True)])
+                misses, filled = [], []
+            else:
+                slot_of, misses, filled = self._update_row(
+                    r, selections[r], int(request_ids[r]), int(stable_lens[r]),
+                    first_offload=row_states[r] == RequestState.FIRST_OFFLOAD)
+                slots.append([slot_of[t] if ok else EMPTY for t, ok in zip(row, oks, strict=True)])
+            miss_counts.append(len(misses))
+            miss_tokens.append(misses + [EMPTY] * (width - len(misses)))
+            miss_slots.append(filled + [EMPTY] * (width - len(filled)))
+        return ResidencyResult(
+            slots=torch.tensor(slots, dtype=torch.int64),
+            miss_counts=torch.tensor(miss_counts, dtype=torch.int64),
+            miss_tokens=torch.tensor(miss_tokens, dtype=torch.int64),
+            miss_slots=torch.tensor(miss_slots, dtype=torch.int64))
+
+    def _update_row(self, r: int, selected: list[int], request: int, stable_len: int,
+                    first_offload: bool) -> tuple[dict[int, int], list[int], list[int]]:
+        """One row's rules. Returns token -> slot, the miss tokens and the slots they took."""
+        if first_offload or request != self._requests[r]:
+            self.reset_row(r)
+        self._requests[r] = request
+        tokens, lru = self._slot_tokens[r], self._lru[r]
+
+        # A speculative suffix may have been overwritten in the host pool: forget it.
+        for s, t in enumerate(tokens):
+            if t >= stable_len:
+                tokens[s] = EMPTY
+
+        slot_of = {t: s for s, t in enumerate(tokens) if t != EMPTY}
+        misses = [t for t in selected if t not in slot_of]
+        if first_offload:
+            misses.sort()
+        hit_slots = {slot_of[t] for t in selected if t in slot_of}
+
+        # Hits keep their slots; misses take the other slots, least recently used first.
+        evictable = [s for s in lru if s not in hit_slots]
+        filled = evictable[:len(misses)]
+        for t, s in zip(misses, filled, strict=True):
+            slot_of.pop(tokens[s], None)
+            tokens[s] = t
+            slot_of[t] = s
+
+        # Unused evictable slots stay least recent, then the new fills, then the hits.
+        self._lru[r] = evictable[len(misses):] + filled + [s for s in lru if s in hit_slots]
+        return slot_of, misses, filled
+
+
+def _distinct(tokens: list[int]) -> list[int]:
+    """Each token once, at its first position."""
+    return list(dict.fromkeys(tokens))

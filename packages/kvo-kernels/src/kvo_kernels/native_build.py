@@ -1,0 +1,105 @@
+"""Builds and loads kvo's C++/OpenMP host ops on first use (PyTorch's JIT extension tooling).
+
+The sources ship inside the package (``kvo_kernels/csrc``); the first call compiles them with the
+host compiler into ``~/.cache/kvo/torch_extensions/<python>-<torch>/<name>/`` (override with
+``KVO_TORCH_EXTENSIONS_DIR``) and later calls, in any process, reuse the built library. The
+library's name carries a digest of every source and header, so an upgraded package never loads
+a stale build (PyTorch's own check sees only the listed sources, not the headers). PyTorch holds
+a file lock while building, so concurrent processes do not race; a process-local lock keeps
+threads from loading twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvo_core.errors import KvoError
+
+CSRC = Path(__file__).parent / "csrc"
+EXTENSION_PREFIX = "kvo_native_ops"
+SOURCES = ("residency.cpp",)
+HEADERS = ("residency_rows.h",)
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_lock = threading.Lock()
+_loaded = False
+
+
+class NativeBuildError(KvoError, RuntimeError):
+    """The C++ host ops could not be compiled or loaded; the message carries the compiler output."""
+
+
+def build_directory() -> Path:
+    """Where the compiled library lives: one folder per Python and torch version (ABI)."""
+    root = os.environ.get("KVO_TORCH_EXTENSIONS_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "kvo" / "torch_extensions"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return base / tag.replace("+", "_")
+
+
+def extension_name() -> str:
+    """``kvo_native_ops_<digest>``: changes whenever a source, header or flag changes."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    return f"{EXTENSION_PREFIX}_{digest.hexdigest()[:16]}"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise NativeBuildError(
+            f"kvo's native residency op needs a C++ compiler with OpenMP (gcc), but {compiler!r} "
+            "is not on PATH; install g++ (e.g. apt-get install g++) or set CXX")
+    return compiler
+
+
+def compile_and_load(name: str, sources: Sequence[Path], directory: Path) -> None:
+    """Compile ``sources`` into the library ``name`` under ``directory`` and load it.
+
+    Loading runs the library's ``TORCH_LIBRARY`` registrations. Raises NativeBuildError with
+    the compiler's output when the compiler is missing or the build fails.
+    """
+    _compiler()
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        raise NativeBuildError(
+            f"building kvo's native ops ({', '.join(Path(s).name for s in sources)}) in "
+            f"{directory} failed; compiler output:\n{error}") from error
+
+
+def load_native_ops() -> None:
+    """Compile (once) and load the native ops, registering ``torch.ops.kvo.residency_update``."""
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if not _loaded:
+            name = extension_name()
+            compile_and_load(name, [CSRC / source for source in SOURCES],
+                             build_directory() / name)
+            _loaded = True

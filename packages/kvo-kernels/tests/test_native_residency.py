@@ -1,0 +1,337 @@
+"""NativeResidencyTable (C++/OpenMP) against kvo-core's residency: slot for slot, bit for bit.
+
+Every step compares all four outputs and the whole state (slot tokens, LRU order, row requests)
+with ``ReferenceResidency`` (the readable rules) and ``ResidencyTable`` (the vectorised one).
+The first test in a session builds the extension (about a minute on two cores; cached after).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvo_core.residency import (
+    ReferenceResidency,
+    RequestState,
+    ResidencyInputError,
+    ResidencyOverflowError,
+    ResidencyResult,
+    ResidencyTable,
+)
+from kvo_kernels import native_build
+from kvo_kernels.native_residency import NativeResidencyTable
+
+NOT_OFFLOADED, FIRST_OFFLOAD, STEADY = (int(s) for s in (
+    RequestState.NOT_OFFLOADED, RequestState.FIRST_OFFLOAD, RequestState.STEADY))
+OUTPUTS = ("slots", "miss_counts", "miss_tokens", "miss_slots")
+STATE = ("slot_tokens", "lru_order", "row_requests")
+Table = ReferenceResidency | ResidencyTable | NativeResidencyTable
+
+
+def _i64(values: object) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _assert_same(expected: ResidencyResult, actual: ResidencyResult, where: str) -> None:
+    for name in OUTPUTS:
+        want, got = getattr(expected, name), getattr(actual, name)
+        assert got.dtype == torch.int64, f"{where}: {name} dtype {got.dtype}"
+        assert torch.equal(want, got), f"{where}: {name}\nwant {want}\ngot  {got}"
+
+
+def _assert_same_state(expected: Table, actual: Table, where: str) -> None:
+    for name in STATE:
+        want, got = getattr(expected, name), getattr(actual, name)
+        assert torch.equal(want, got), f"{where}: {name}\nwant {want}\ngot  {got}"
+
+
+def _step_all(tables: list[Table], where: str, *args: torch.Tensor | None,
+              seq_lens: torch.Tensor | None = None) -> ResidencyResult | None:
+    """One update on every table: same result, or the same error with every table unchanged."""
+    reference, *others = tables
+    try:
+        expected = reference.update(*args, seq_lens=seq_lens)  # type: ignore[arg-type]
+    except ResidencyOverflowError as error:
+        for table in others:
+            with pytest.raises(ResidencyOverflowError) as raised:
+                table.update(*args, seq_lens=seq_lens)  # type: ignore[arg-type]
+            assert str(raised.value) == str(error), where
+            _assert_same_state(reference, table, where)
+        return None
+    for table in others:
+        _assert_same(expected, table.update(*args, seq_lens=seq_lens),  # type: ignore[arg-type]
+                     f"{where} ({type(table).__name__})")
+        _assert_same_state(reference, table, f"{where} ({type(table).__name__})")
+    return expected
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> dict[str, object]:
+    """Small random multi-step traces: padding, repeats, request changes, speculative drops,
+    every request state, seq_lens, and top-k rows wider than the capacity (MTP)."""
+    rows = draw(st.integers(1, 4), label="rows")
+    capacity = draw(st.integers(1, 10), label="capacity")
+    width = draw(st.integers(1, 12), label="width")
+    seq = draw(st.integers(1, 24), label="token space")
+    token = st.integers(-3, seq + 2)
+    steps = []
+    for _ in range(draw(st.integers(1, 7), label="steps")):
+        steps.append({
+            "topk": draw(st.lists(st.lists(token, min_size=width, max_size=width),
+                                  min_size=rows, max_size=rows)),
+            "requests": draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, -1]),
+                                      min_size=rows, max_size=rows)),
+            "stable": draw(st.lists(st.integers(0, seq + 3), min_size=rows, max_size=rows)),
+            "states": draw(st.one_of(st.none(), st.lists(
+                st.sampled_from([STEADY, STEADY, STEADY, FIRST_OFFLOAD, NOT_OFFLOADED]),
+                min_size=rows, max_size=rows))),
+            "seq_lens": draw(st.one_of(st.none(), st.lists(
+                st.integers(0, seq + 3), min_size=rows, max_size=rows))),
+        })
+    return {"rows": rows, "capacity": capacity, "steps": steps}
+
+
+@settings(max_examples=120, deadline=None)
+@given(trace=traces())
+def test_random_traces_match_the_reference_bit_for_bit(trace: dict) -> None:
+    rows, capacity = trace["rows"], trace["capacity"]
+    tables: list[Table] = [ReferenceResidency(rows, capacity), ResidencyTable(rows, capacity),
+                           NativeResidencyTable(rows, capacity)]
+    for i, step in enumerate(trace["steps"]):
+        states = None if step["states"] is None else _i64(step["states"])
+        seq_lens = None if step["seq_lens"] is None else _i64(step["seq_lens"])
+        _step_all(tables, f"step {i}", _i64(step["topk"]), _i64(step["requests"]),
+                  _i64(step["stable"]), states, seq_lens=seq_lens)
+
+
+def _overlapping_trace(rows: int, width: int, seq: int, steps: int, overlap: float,
+                       rng: random.Random) -> list[list[list[int]]]:
+    """Decode-like top-k: each step keeps ~overlap of the previous selection."""
+    current = [rng.sample(range(seq), width) for _ in range(rows)]
+    trace = [current]
+    for _ in range(steps - 1):
+        nxt = []
+        for row in current:
+            kept = rng.sample(row, int(width * overlap))
+            fresh = [t for t in rng.sample(range(seq), 2 * width) if t not in set(kept)]
+            nxt.append(kept + fresh[:width - len(kept)])
+        trace.append(nxt)
+        current = nxt
+    return trace
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_like_trace_with_many_rows(threads: int) -> None:
+    """Bigger rows over OpenMP threads; requests change and speculative suffixes drop."""
+    rows, capacity, width, seq = 9, 96, 40, 400
+    rng = random.Random(threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tables: list[Table] = [ReferenceResidency(rows, capacity),
+                               ResidencyTable(rows, capacity),
+                               NativeResidencyTable(rows, capacity)]
+        requests = list(range(rows))
+        hits = 0
+        for i, topk in enumerate(_overlapping_trace(rows, width, seq, 14, 0.85, rng)):
+            if i == 6:
+                requests[2] = 100          # a new request takes row 2
+            stable = [seq - (20 if i == 9 and r % 3 == 0 else 0) for r in range(rows)]
+            states = [FIRST_OFFLOAD if i == 0 else STEADY] * rows
+            result = _step_all(tables, f"step {i}", _i64(topk), _i64(requests), _i64(stable),
+                               _i64(states))
+            assert result is not None
+            if i > 0:
+                hits += int((rows * width) - result.miss_counts.sum())
+        assert hits > 0.5 * 13 * rows * width  # the trace really re-selects resident tokens
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_long_trace_on_small_rows() -> None:
+    """Many steps on tiny rows: every slot is evicted and refilled many times over."""
+    rng = random.Random(4)
+    tables: list[Table] = [ReferenceResidency(3, 6), NativeResidencyTable(3, 6)]
+    for i in range(150):
+        topk = [[rng.randrange(-1, 14) for _ in range(4)] for _ in range(3)]
+        requests = [0, i // 50, 0]
+        stable = [14 if i % 17 else 9, 14, 14]
+        _step_all(tables, f"step {i}", _i64(topk), _i64(requests), _i64(stable))
+
+
+def test_far_token_positions_mixed_with_near_ones() -> None:
+    """Positions 8M apart in one row (nothing may be sized by the largest token)."""
+    far = 1 << 23
+    tables: list[Table] = [ReferenceResidency(2, 5, max_seq_len=1 << 30),
+                           NativeResidencyTable(2, 5, max_seq_len=1 << 30)]
+    steps = [([[1, 2, 3], [4, 5, 6]], [0, 0]),
+             ([[2, far, 3], [4, 5, far + 1]], [0, 0]),
+             ([[far, 1, far + 2], [far + 1, 6, 7]], [0, 0]),
+             ([[far + 3, 2, 1], [5, 4, 8]], [0, 0]),
+             ([[1, 2, 9], [4, 5, 6]], [1, 0])]                   # row 0: a new request
+    for i, (topk, requests) in enumerate(steps):
+        _step_all(tables, f"step {i}", _i64(topk), _i64(requests), _i64([1 << 30, 1 << 30]))
+    # A speculative drop that removes the far tokens.
+    _step_all(tables, "drop", _i64([[1, 2, 3], [4, far + 1, 6]]), _i64([1, 0]),
+              _i64([1 << 30, far]))
+
+
+def test_token_positions_beyond_32_bits() -> None:
+    base = 3 * 2**31 + 5
+    reference = ReferenceResidency(2, 4, max_seq_len=2**40)
+    native = NativeResidencyTable(2, 4, max_seq_len=2**40)
+    tables: list[Table] = [reference, native]
+    steps = [[[base, base + 7, -1], [2**39, 1, 2**39]],
+             [[base + 9, base, base + 7], [2, 2**39 + 1, 1]],
+             [[base + 1, base + 2, base + 3], [2**39, 2**39 + 2, 3]]]
+    for i, topk in enumerate(steps):
+        _step_all(tables, f"step {i}", _i64(topk), _i64([1, 2]), _i64([2**40, 2**40]))
+    assert int(native.slot_tokens.max()) >= 2**39  # no truncation to 32 bits anywhere
+
+
+def test_first_offload_not_offloaded_and_request_change_by_hand() -> None:
+    native = NativeResidencyTable(2, 4)
+    # First offload: distinct tokens in ascending order take slots 0..n-1, all misses.
+    first = native.update(_i64([[9, 3, 9, -1], [5, 1, 7, 2]]), _i64([7, 8]), _i64([10, 10]),
+                          _i64([FIRST_OFFLOAD, NOT_OFFLOADED]))
+    assert first.slots.tolist() == [[1, 0, 1, -1], [5, 1, 7, 2]]
+    assert first.miss_counts.tolist() == [2, 0]
+    assert first.miss_tokens.tolist() == [[3, 9, -1, -1], [-1] * 4]
+    assert first.miss_slots.tolist() == [[0, 1, -1, -1], [-1] * 4]
+    assert native.lru_order.tolist() == [[2, 3, 0, 1], [0, 1, 2, 3]]
+    assert native.row_requests.tolist() == [7, -1]  # NOT_OFFLOADED leaves its row alone
+    # Steady: 9 hits, 4 and 5 miss into the least recent free slots 2 and 3.
+    steady = native.update(_i64([[4, 9, 5, 4], [0, 0, 0, 0]]), _i64([7, 8]), _i64([10, 10]))
+    assert steady.slots[0].tolist() == [2, 1, 3, 2]
+    assert steady.miss_tokens[0].tolist() == [4, 5, -1, -1]
+    assert native.lru_order[0].tolist() == [0, 2, 3, 1]
+    # Speculative drop: with stable length 5, tokens 5 and 9 are forgotten first; 3 still
+    # hits, 5 misses into the least recent evictable slot (2, evicting 4).
+    dropped = native.update(_i64([[5, 3, -1, -1], [0, 0, 0, 0]]), _i64([7, 8]), _i64([5, 10]))
+    assert dropped.slots[0].tolist() == [2, 0, -1, -1]
+    assert dropped.miss_tokens[0].tolist() == [5, -1, -1, -1]
+    assert native.slot_tokens[0].tolist() == [3, -1, 5, -1]
+    assert native.lru_order[0].tolist() == [3, 1, 2, 0]
+    # A new request on row 0 resets it first: everything misses, from slot 0 on.
+    changed = native.update(_i64([[9, 4, -1, -1], [0, 0, 0, 0]]), _i64([70, 8]), _i64([10, 10]))
+    assert changed.miss_slots[0].tolist() == [0, 1, -1, -1]
+    assert native.row_requests.tolist() == [70, 8]
+
+
+def test_overflow_raises_and_changes_nothing() -> None:
+    reference, native = ReferenceResidency(2, 3), NativeResidencyTable(2, 3)
+    tables: list[Table] = [reference, native]
+    _step_all(tables, "fill", _i64([[1, 2, 3], [4, 5, 6]]), _i64([0, 0]), _i64([99, 99]))
+    # Row 1 selects 4 distinct tokens in a 6-wide (two query rows) selection: overflow.
+    with pytest.raises(ResidencyOverflowError, match="row 1 selects 4 distinct tokens"):
+        native.update(_i64([[1, 2, 1, 2, 1, 2], [4, 5, 6, 7, 4, 5]]), _i64([0, 0]),
+                      _i64([99, 99]))
+    _assert_same_state(reference, native, "after the refused update")
+    # A wide row that repeats enough fits.
+    _step_all(tables, "fits", _i64([[1, 2, 1, 2, 1, 2], [4, 5, 6, 4, 5, 6]]), _i64([0, 0]),
+              _i64([99, 99]))
+
+
+def _valid_call() -> dict[str, torch.Tensor]:
+    return {"topk": _i64([[1, 2], [3, -1]]), "request_ids": _i64([0, 1]),
+            "stable_lens": _i64([5, 5]), "states": _i64([STEADY, STEADY])}
+
+
+@pytest.mark.parametrize(("change", "argument"), [
+    (lambda c: c.update(topk=c["topk"].int()), "topk"),
+    (lambda c: c.update(topk=c["topk"][:1]), "topk"),
+    (lambda c: c.update(topk=torch.empty(2, 0, dtype=torch.int64)), "topk"),
+    (lambda c: c.update(topk=[[1, 2], [3, 4]]), "topk"),
+    (lambda c: c.update(topk=_i64([[1, 2], [3, 2**21]])), "max_seq_len"),
+    (lambda c: c.update(request_ids=_i64([0, 1, 2])), "request_ids"),
+    (lambda c: c.update(stable_lens=_i64([5, -1])), "stable_lens"),
+    (lambda c: c.update(stable_lens=_i64([5.0, 1.0]).float()), "stable_lens"),
+    (lambda c: c.update(states=_i64([STEADY, 0])), "states"),
+    (lambda c: c.update(states=_i64([[STEADY, STEADY]])), "states"),
+    (lambda c: c.update(seq_lens=_i64([4, -2])), "seq_lens"),
+    (lambda c: c.update(seq_lens=_i64([4])), "seq_lens"),
+])
+def test_bad_input_is_refused_with_the_argument_named(
+        change: Callable[[dict], None], argument: str) -> None:
+    native = NativeResidencyTable(2, 4)
+    native.update(**_valid_call())
+    before = {name: getattr(native, name) for name in STATE}
+    call: dict = _valid_call()
+    call["seq_lens"] = None
+    change(call)
+    with pytest.raises(ResidencyInputError, match=argument):
+        native.update(**call)
+    for name in STATE:
+        assert torch.equal(getattr(native, name), before[name])
+
+
+def test_constructor_and_reset_row_validate() -> None:
+    with pytest.raises(ResidencyInputError, match="capacity"):
+        NativeResidencyTable(2, 0)
+    with pytest.raises(ResidencyInputError, match="rows"):
+        NativeResidencyTable(-1, 4)
+    with pytest.raises(ResidencyInputError, match="device"):
+        NativeResidencyTable(2, 4, device="meta")
+    native = NativeResidencyTable(2, 4)
+    native.update(_i64([[1, 2], [3, 4]]), _i64([5, 6]), _i64([9, 9]))
+    with pytest.raises(ResidencyInputError, match="row"):
+        native.reset_row(2)
+    native.reset_row(1)
+    assert native.slot_tokens[1].tolist() == [-1] * 4
+    assert native.row_requests.tolist() == [5, -1]
+    assert native.lru_order[1].tolist() == [0, 1, 2, 3]
+    assert native.slot_tokens[0].tolist() != [-1] * 4
+
+
+def test_corrupt_state_is_refused_not_followed() -> None:
+    native = NativeResidencyTable(1, 4)
+    native.update(_i64([[1, 2]]), _i64([0]), _i64([9]))
+    native._lru[0, 1] = 4  # out of [0, C): would index past the row
+    tokens_before = native.slot_tokens
+    with pytest.raises(ResidencyInputError, match=r"lru_order\[0\]"):
+        native.update(_i64([[7, 8]]), _i64([0]), _i64([9]))
+    assert torch.equal(native.slot_tokens, tokens_before)
+
+
+def test_the_op_checks_its_own_arguments() -> None:
+    native = NativeResidencyTable(1, 4)
+    op = torch.ops.kvo.residency_update
+    state = (native._tokens, native._lru, native._requests)
+    with pytest.raises(ValueError, match="topk must be int64"):
+        op(*state, torch.zeros(1, 2, dtype=torch.int32), _i64([0]), _i64([1]), _i64([STEADY]),
+           None, 16)
+    with pytest.raises(ValueError, match="lru_order shape"):
+        op(native._tokens, native._lru[:, :2].contiguous(), native._requests, _i64([[1]]),
+           _i64([0]), _i64([1]), _i64([STEADY]), None, 16)
+    with pytest.raises(ValueError, match="stable_lens has 2 rows"):
+        op(*state, _i64([[1]]), _i64([0]), _i64([1, 1]), _i64([STEADY]), None, 16)
+
+
+def test_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CXX", "kvo-no-such-compiler")
+    with pytest.raises(native_build.NativeBuildError, match="kvo-no-such-compiler"):
+        native_build.compile_and_load("kvo_never_built", [tmp_path / "x.cpp"], tmp_path)
+
+
+def test_build_failure_carries_the_compiler_output(tmp_path: Path) -> None:
+    source = tmp_path / "broken.cpp"
+    source.write_text("int kvo_broken() { return kvo_undeclared_name; }\n")
+    with pytest.raises(native_build.NativeBuildError) as raised:
+        native_build.compile_and_load("kvo_broken_probe", [source], tmp_path / "build")
+    message = str(raised.value)
+    assert "compiler output" in message and "kvo_undeclared_name" in message
+
+
+def test_build_directory_and_name_track_versions(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("KVO_TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = native_build.build_directory()
+    assert directory.parent == tmp_path and torch.__version__.split("+")[0] in directory.name
+    name = native_build.extension_name()
+    assert name.startswith("kvo_native_ops_") and name == native_build.extension_name()
