@@ -72,6 +72,9 @@ def install_kvo(session: nox.Session, names: list[str], *extra_requirements: str
                     *[str(ROOT / "packages" / n) for n in names])
 
 
+_FULL_VENVS_READY: set[Path] = set()
+
+
 def full_venv(session: nox.Session) -> dict[str, str]:
     """One shared venv with every kvo package, vLLM and Mooncake; returns the env to run in.
 
@@ -80,6 +83,10 @@ def full_venv(session: nox.Session) -> dict[str, str]:
     """
     location = Path(nox.options.envdir) / "full"
     python = location / "bin" / "python"
+    env = {**BASE_ENV, "PATH": f"{location / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(location)}
+    if location in _FULL_VENVS_READY:  # nox runs sessions in one process: install once per run
+        return env
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(location), external=True)
     pip = (str(python), "-m", "pip", "install", "-q")
@@ -91,8 +98,8 @@ def full_venv(session: nox.Session) -> dict[str, str]:
                 *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], external=True)
     session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS,
                 external=True)
-    return {**BASE_ENV, "PATH": f"{location / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-            "VIRTUAL_ENV": str(location)}
+    _FULL_VENVS_READY.add(location)
+    return env
 
 
 def in_loopback_namespace(*argv: str) -> tuple[str, ...]:
