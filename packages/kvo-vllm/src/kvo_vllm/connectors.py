@@ -4,5 +4,7 @@ vLLM imports this module and looks the connector class up by ``kv_connector`` na
 """
 
 from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
+from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
+from kvo_vllm.remote_d2h.multi import KvoMultiConnector
 
-__all__ = ["LayerwiseStoreConnector"]
+__all__ = ["KvoMultiConnector", "LayerwiseStoreConnector", "RemoteD2HConnector"]

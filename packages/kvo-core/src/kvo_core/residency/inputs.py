@@ -91,8 +91,8 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
                             device=topk_t.device)
         return CheckedUpdate(steady, in_range, max_token)
     states_t = _int64_tensor("states", states, 1, rows, device)
-    allowed = [int(s) for s in RequestState]
-    if bool((~torch.isin(states_t, torch.tensor(allowed, device=states_t.device))).any()):
+    allowed = sorted(int(s) for s in RequestState)  # a contiguous range: -3, -2, -1
+    if bool(((states_t < allowed[0]) | (states_t > allowed[-1])).any()):
         raise ResidencyInputError(
             f"states must hold only {allowed} (NOT_OFFLOADED, FIRST_OFFLOAD, STEADY), "
             f"got {states_t.tolist()}")

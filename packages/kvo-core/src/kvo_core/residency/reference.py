@@ -1,5 +1,13 @@
 """Pure-Python residency: the rules of DESIGN.md section 6, written to be read, not to be fast.
 
+Per row and step: a new request identity (or a first offload) resets the row; resident tokens at
+or beyond the stable length are forgotten; negative or out-of-range top-k entries are padding
+and a repeated token counts once, at its first position; hits keep their slots; walking the LRU
+order, every slot not holding a selected token is evictable and the misses (top-k order, or
+ascending on a first offload) take them in that order; the new LRU order is [unused evictable,
+filled, hits], each group in its old relative order. A not-offloaded row maps each entry to
+itself and is left alone.
+
 Every other implementation (the vectorised table, the native op) is tested slot for slot
 against this one.
 """
@@ -69,7 +77,7 @@ class ReferenceResidency:
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
                states: torch.Tensor | None = None, *,
                seq_lens: torch.Tensor | None = None) -> ResidencyResult:
-        """Apply one decode step's top-k selection to every row (see the module rules)."""
+        """Apply one decode step's top-k selection to every row (rules: module docstring)."""
         checked = check_update_inputs(
             self._rows, self._max_seq_len, topk, request_ids, stable_lens, states, seq_lens)
         rows = topk.tolist()

@@ -1,0 +1,108 @@
+"""The proxy's HTTP surface (aiohttp, which vLLM already depends on).
+
+Client-facing: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
+``GET /v1/models`` (from a decode), ``GET /health``. Engine-facing: ``POST /kvo/v1/notify``
+(decode readiness, prefill hand-off failures) and ``GET /kvo/v1/metadata`` (the topology the
+decodes advertised and what happened to recent requests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import aiohttp
+import attrs
+from aiohttp import web
+
+from kvo_vllm.proxy.flow import Flow, ProxyConfig, ProxyError
+from kvo_vllm.proxy.hub import NotifyHub
+from kvo_vllm.remote_d2h.params import TransferParamsError, parse_notification
+
+logger = logging.getLogger("kvo.proxy")
+
+NOTIFY_PATH = "/kvo/v1/notify"
+METADATA_PATH = "/kvo/v1/metadata"
+MAX_NOTIFY_BYTES = 64 * 1024
+
+_FLOW = web.AppKey("flow", Flow)
+_HUB = web.AppKey("hub", NotifyHub)
+_CONFIG = web.AppKey("config", ProxyConfig)
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """An aiohttp application serving the proxy; the client session lives with the app."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    hub = NotifyHub()
+    app[_HUB] = hub
+    app[_CONFIG] = config
+
+    async def session_context(app: web.Application) -> Any:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            app[_FLOW] = Flow(config, hub, session)
+            yield
+
+    app.cleanup_ctx.append(session_context)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_post(NOTIFY_PATH, _notify)
+    app.router.add_get(METADATA_PATH, _metadata)
+    return app
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[_FLOW].handle(request, "/v1/completions")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[_FLOW].handle(request, "/v1/chat/completions")
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    flow = request.app[_FLOW]
+    url = flow.config.decode_urls[0] + "/v1/models"
+    try:
+        async with flow.session.get(url) as response:
+            return web.Response(body=await response.read(), status=response.status,
+                                content_type=response.content_type)
+    except aiohttp.ClientError as error:
+        return ProxyError(502, f"decode at {url} failed: {error}").response()
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok", "waiting": len(request.app[_HUB])})
+
+
+async def _notify(request: web.Request) -> web.StreamResponse:
+    if request.content_length is not None and request.content_length > MAX_NOTIFY_BYTES:
+        return ProxyError(413, f"a notification is at most {MAX_NOTIFY_BYTES} bytes").response()
+    try:
+        body = json.loads(await request.read())
+        note = parse_notification(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, TransferParamsError) as error:
+        logger.warning("rejected a notification: %s", error)
+        return ProxyError(400, f"bad notification: {error}").response()
+    known = request.app[_HUB].deliver(note)
+    if not known:
+        logger.info("notification %s for unknown transfer %s (request over or timed out)",
+                    type(note).__name__, note.transfer_id)
+    return web.json_response({"known": known})
+
+
+async def _metadata(request: web.Request) -> web.StreamResponse:
+    hub = request.app[_HUB]
+    flow = request.app[_FLOW]
+    config = request.app[_CONFIG]
+    return web.json_response({
+        "prefill_urls": list(config.prefill_urls),
+        "decode_urls": list(config.decode_urls),
+        "decode_tp": hub.decode_tp,
+        "decode_endpoints": {str(rank): ep for rank, ep in sorted(hub.endpoints_seen.items())},
+        "waiting": len(hub),
+        "unknown_notifications": hub.unknown_notifications,
+        "requests": [attrs.asdict(record) for record in flow.records],
+    })

@@ -1,0 +1,312 @@
+"""Decode half of RemoteD2H's worker: pull each layer into decode's own KV-cache blocks.
+
+The KV cache itself is the destination (dense models): each layer tensor is registered with the
+transfer engine and described to kvo_transport's DecodeReceiver, which validates every READY
+and reads through the engine. Per request:
+
+1. the scheduler's metadata names the request's blocks; they become the destination of its
+   transfer id and decode advertises them to the proxy (``DecodeReady``);
+2. the prefill publishes READYs layer by layer; the receiver pulls and answers;
+3. once every layer arrived, the request is reported received; vLLM schedules it;
+4. a failed pull (refused READY, failed read, lost prefill past the deadline) revokes the
+   destination first, then reports the request received with its invalid blocks, so vLLM's
+   load-failure path recomputes them (or fails the request): never garbage tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+import attrs
+import torch
+
+from kvo_core.config import RemoteD2HConfig
+from kvo_core.errors import ConfigError
+from kvo_core.layers import layer_index
+from kvo_core.tp import control_port
+from kvo_transport.control import (
+    DecodeLayout,
+    DecodeReceiver,
+    DestinationGroup,
+    DestinationLayer,
+    RequestDestination,
+)
+from kvo_transport.engine import create_transfer_engine
+from kvo_vllm.remote_d2h.guarded_engine import GuardedEngine, LayerRegion
+from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
+from kvo_vllm.remote_d2h.notify import Notifier
+from kvo_vllm.remote_d2h.options import FaultInjection
+from kvo_vllm.remote_d2h.params import DecodeReady
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define
+class _Recv:
+    target: RecvTarget
+    destination: RequestDestination
+    registered_at: float
+    last_seen: float | None = None
+
+
+@attrs.define
+class DecodeStats:
+    """Counters since start-up (read by tests, the demo and the benchmark)."""
+
+    registered: int = 0
+    received: int = 0
+    failed: int = 0
+    deadline_failures: int = 0
+    revoked: int = 0
+    invalid_blocks_reported: int = 0
+
+
+def merged_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, end) ranges merged where they overlap or touch, sorted."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(regions):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor]
+                       ) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
+    """Layers ordered by index, each (name, index, tensor), and the common block size in bytes.
+
+    A block must be one contiguous run (CPU layout ``[blocks, heads, block, 2*head]`` is), so
+    whole-block copies are layout-agnostic. Refuses layouts it cannot move block by block.
+    """
+    layers = sorted(((name, layer_index(name), tensor) for name, tensor in kv_caches.items()),
+                    key=lambda item: item[1])
+    indices = [index for _, index, _ in layers]
+    if indices != list(range(len(indices))):
+        raise ConfigError(f"RemoteD2H needs one KV cache per layer 0..N-1; vLLM registered "
+                          f"layers {indices}")
+    sizes = set()
+    for name, _, tensor in layers:
+        if tensor.dim() < 2 or not tensor[0].is_contiguous():
+            raise ConfigError(f"layer {name!r}: a KV block is not one contiguous run (shape "
+                              f"{tuple(tensor.shape)}, strides {tensor.stride()}); RemoteD2H "
+                              f"moves whole blocks and needs a blocks-outermost layout")
+        sizes.add(tensor.stride(0) * tensor.element_size())
+    if len(sizes) != 1:
+        raise ConfigError(f"RemoteD2H needs one block size for every layer, got {sorted(sizes)}")
+    return layers, sizes.pop()
+
+
+class DecodePuller:
+    """Owns the decode rank's engine, receiver and destinations (one per worker)."""
+
+    def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
+                 faults: FaultInjection) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
+        self.faults = faults
+        self.stats = DecodeStats()
+        self._lock = threading.Lock()
+        self._recvs: dict[str, _Recv] = {}  # transfer id -> state
+        self._finished: set[str] = set()  # vLLM request ids to report received
+        self._invalid: set[int] = set()
+        self._notifier = Notifier("kvo-decode-notify")
+        self._engine: GuardedEngine | None = None
+        self._receiver: DecodeReceiver | None = None
+        self._registered: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        if self._receiver is None:
+            raise RuntimeError("register_kv_caches has not run yet")
+        return self._receiver.endpoint
+
+    @property
+    def engine(self) -> GuardedEngine:
+        if self._engine is None:
+            raise RuntimeError("register_kv_caches has not run yet")
+        return self._engine
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layers, block_bytes = describe_kv_caches(kv_caches)
+        config = self.config
+        if config.transfer_backend == "mooncake":
+            raw = create_transfer_engine("mooncake", hostname=config.local_hostname,
+                                         protocol=config.mooncake_protocol)
+        else:
+            raw = create_transfer_engine("memfabric", protocol=config.memfabric_transfer_protocol)
+        regions = []
+        dest_layers = []
+        for name, index, tensor in layers:
+            num_blocks = tensor.shape[0]
+            base = tensor.data_ptr()
+            regions.append(LayerRegion(index=index, base=base, block_bytes=block_bytes,
+                                       num_blocks=num_blocks))
+            dest_layers.append(DestinationLayer(name=name, main=DestinationGroup(
+                base_addrs=(base,), block_bytes=(block_bytes,), num_blocks=num_blocks)))
+        for start, end in merged_regions((r.base, r.end) for r in regions):
+            raw.register(start, end - start)
+            self._registered.append(start)
+        self._engine = GuardedEngine(raw, regions, self.faults)
+        self._receiver = DecodeReceiver(
+            engine=self._engine, layout=DecodeLayout(dest_layers), resolve=self._resolve,
+            decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
+            port=self.port, read_retries=config.read_retries,
+            retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid).start()
+        logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks x %d bytes, "
+                    "control endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layers),
+                    regions[0].num_blocks, block_bytes, self._receiver.endpoint,
+                    raw.session_id)
+
+    # -- per step -----------------------------------------------------------------------
+
+    def start_step(self, metadata: RemoteD2HMetadata) -> None:
+        for target in metadata.recvs:
+            self._register(target)
+        for request_id in metadata.revoked_recvs:
+            self._revoke_request(request_id, "aborted by vLLM")
+
+    def _register(self, target: RecvTarget) -> None:
+        destination = RequestDestination(main_block_ids=target.block_ids)
+        self.engine.restore(b for b in target.block_ids if b >= 0)
+        with self._lock:
+            self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
+                                                    registered_at=time.monotonic())
+            self.stats.registered += 1
+        ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
+                            decode_tp=self.tp_size, endpoint=self.endpoint,
+                            skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids))
+        self._notifier.post(target.notify_url, ready.to_json())
+
+    def _resolve(self, transfer_id: str) -> RequestDestination | None:
+        """The receiver's resolver (its thread): a live destination, or None."""
+        with self._lock:
+            recv = self._recvs.get(transfer_id)
+            if recv is None:
+                return None
+            recv.last_seen = time.monotonic()
+            return recv.destination
+
+    def _on_invalid(self, transfer_id: str, layer: int, main: tuple[int, ...],
+                    indexer: tuple[int, ...], reason: str) -> None:
+        """A pull failed (receiver thread): no later READY may write this destination."""
+        with self._lock:
+            recv = self._recvs.get(transfer_id)
+        if recv is not None:
+            self.engine.revoke(recv.target.block_ids)
+
+    # -- results ------------------------------------------------------------------------
+
+    def collect(self) -> tuple[set[str], set[int]]:
+        """(request ids received or given up since the last call, their invalid blocks)."""
+        receiver = self._receiver
+        if receiver is None:
+            return set(), set()
+        finished, failed = receiver.pop_finished()
+        for transfer_id in finished:
+            self._complete(transfer_id, None)
+        for transfer_id, reason in failed.items():
+            self._complete(transfer_id, reason)
+        self._expire_deadlines()
+        with self._lock:
+            done, self._finished = self._finished, set()
+            invalid, self._invalid = self._invalid, set()
+        return done, invalid
+
+    def _complete(self, transfer_id: str, failure: str | None) -> None:
+        with self._lock:
+            recv = self._recvs.pop(transfer_id, None)
+        if recv is None:
+            return  # revoked or expired earlier; already answered
+        target = recv.target
+        if failure is None:
+            with self._lock:
+                self.stats.received += 1
+                self._finished.add(target.request_id)
+            return
+        self.engine.revoke(target.block_ids)
+        invalid: set[int] = set()
+        if self._receiver is not None:
+            invalid = set(self._receiver.invalid_blocks(transfer_id).main)
+            self._receiver.forget(transfer_id)
+        self._fail(target, invalid, failure)
+
+    def _fail(self, target: RecvTarget, invalid: set[int], reason: str) -> None:
+        if not invalid:  # nothing specific: every block that was to be pulled is suspect
+            invalid = {b for b in target.block_ids if b >= 0}
+        logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
+                       "go to vLLM's load-failure path: %s", target.request_id,
+                       target.transfer_id, len(invalid), reason)
+        with self._lock:
+            self.stats.failed += 1
+            self.stats.invalid_blocks_reported += len(invalid)
+            self._invalid |= invalid
+            self._finished.add(target.request_id)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        first_wait = self.config.handshake_timeout_s + self.config.layer_deadline_s
+        expired = []
+        with self._lock:
+            for transfer_id, recv in self._recvs.items():
+                waited_since = recv.registered_at if recv.last_seen is None else recv.last_seen
+                limit = first_wait if recv.last_seen is None else self.config.layer_deadline_s
+                if now - waited_since > limit:
+                    expired.append((transfer_id, recv, limit))
+            for transfer_id, _, _ in expired:
+                del self._recvs[transfer_id]
+        for transfer_id, recv, limit in expired:
+            self.engine.revoke(recv.target.block_ids)
+            if self._receiver is not None:
+                self._receiver.forget(transfer_id)
+            with self._lock:
+                self.stats.deadline_failures += 1
+            what = "no READY arrived" if recv.last_seen is None else "no further READY arrived"
+            self._fail(recv.target, set(),
+                       f"{what} within {limit:g} s (prefill lost or too slow)")
+
+    def _revoke_request(self, request_id: str, reason: str) -> None:
+        """vLLM aborted a request still waiting for its pull: stop it, answer once."""
+        with self._lock:
+            found = [(t, r) for t, r in self._recvs.items() if r.target.request_id == request_id]
+            for transfer_id, _ in found:
+                del self._recvs[transfer_id]
+            if not found:
+                # Already reported, or never registered: vLLM still waits for one answer.
+                self._finished.add(request_id)
+                return
+        for transfer_id, recv in found:
+            self.engine.revoke(recv.target.block_ids)
+            if self._receiver is not None:
+                self._receiver.forget(transfer_id)
+        with self._lock:
+            self.stats.revoked += 1
+            self._finished.add(request_id)
+        logger.info("kvo remote_d2h: pull of request %s stopped: %s", request_id, reason)
+
+    def snapshot(self) -> dict[str, object]:
+        """JSON-friendly counters for the stats file."""
+        engine = self._engine
+        per_layer = {} if engine is None else {
+            str(index): attrs.asdict(stats) for index, stats in sorted(engine.per_layer.items())}
+        return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
+                **attrs.asdict(self.stats), "per_layer": per_layer,
+                "refused_reads": 0 if engine is None else engine.refused_reads,
+                "injected_failures": 0 if engine is None else engine.injected_failures,
+                "corrupted_bytes": 0 if engine is None else engine.corrupted_bytes,
+                "in_flight": len(self._recvs)}
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        self._notifier.close()
+        if self._engine is not None:
+            self._engine.close()

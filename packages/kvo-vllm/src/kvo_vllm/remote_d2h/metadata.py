@@ -1,0 +1,61 @@
+"""What RemoteD2H's scheduler half tells its worker half each step.
+
+Plain frozen dataclasses of tuples, strings and ints: vLLM may pickle connector metadata to
+send it to worker processes, and nothing here may hold scheduler objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class SendChunk:
+    """Prefill: after each layer of this step, publish these blocks of ``transfer_id``.
+
+    The chunk is the request's logical blocks ``[start_block, start_block + len(block_ids))``;
+    ``last`` marks the step that completes the prompt (its last layer ends the request's sends).
+    """
+
+    request_id: str
+    transfer_id: str
+    decode_endpoints: tuple[str, ...]
+    start_block: int
+    block_ids: tuple[int, ...]
+    last: bool
+    notify_url: str | None = None
+
+
+@dataclass(frozen=True)
+class RecvTarget:
+    """Decode: the blocks that receive transfer ``transfer_id`` (one per logical block).
+
+    Logical blocks below ``skip_blocks`` are decode's own prefix-cache hit: they are not
+    written (their entries are -1, so a READY naming them is refused).
+    """
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+    notify_url: str | None = None
+
+
+@dataclass(frozen=True)
+class RemoteD2HMetadata(KVConnectorMetadata):
+    """One engine step's work for the worker half."""
+
+    sends: tuple[SendChunk, ...] = ()
+    """Prefill: chunks to publish layer by layer during this step's forward."""
+    abandoned_sends: tuple[str, ...] = ()
+    """Prefill: request ids that finished before their last chunk was published."""
+    recvs: tuple[RecvTarget, ...] = ()
+    """Decode: new destinations to register and advertise."""
+    revoked_recvs: tuple[str, ...] = ()
+    """Decode: request ids whose pull must stop (aborted); each is answered once as received."""
+
+    @property
+    def has_sends(self) -> bool:
+        return bool(self.sends)

@@ -1,0 +1,334 @@
+"""Prefill half of RemoteD2H's worker: expose the layer buffers, publish READY per layer.
+
+At start-up every layer's KV tensor is registered with the transfer engine and described in
+MF_META (kvo_transport's ``PrefillPublisher`` handshakes it with each decode rank; aliased
+buffers simply repeat a base address). During a step, right after a layer's attention wrote
+its cache, the step's chunks of that layer are published to the decode ranks; the answers
+close the layer's part of the slot gate (buffer reuse) and, after a request's last layer, its
+completion (its blocks may be freed).
+
+A request whose hand-off cannot start (the decode refused the handshake, or did not answer in
+time) is reported to the proxy with the reason, so the client gets a clear error instead of
+waiting for the decode's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+
+import attrs
+import torch
+
+from kvo_core.config import RemoteD2HConfig
+from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
+from kvo_core.tp import TPMapping
+from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
+from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_vllm.remote_d2h.decode_worker import describe_kv_caches, merged_regions
+from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
+from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata, SendChunk
+from kvo_vllm.remote_d2h.notify import Notifier
+from kvo_vllm.remote_d2h.params import PrefillFailed
+
+logger = logging.getLogger(__name__)
+
+REQUEST_PART = "remote-read"
+MAX_REMEMBERED_FAILURES = 4096
+
+
+@attrs.define
+class _Send:
+    request_id: str
+    transfer_id: str
+    published_at: float | None = None
+    failure: str | None = None
+    give_up_at: float | None = None
+    """Set when the request cannot complete normally: report it done at this time."""
+
+
+@attrs.define
+class PrefillStats:
+    handshakes: int = 0
+    handshake_failures: int = 0
+    published_layers: int = 0
+    published_blocks: int = 0
+    published_bytes: int = 0
+    sends_done: int = 0
+    sends_failed: int = 0
+
+
+class PrefillSender:
+    """Owns the prefill rank's engine and publishers; one per worker."""
+
+    def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int,
+                 instance_id: str, gates: SlotGates | None = None) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.instance_id = instance_id
+        self.stats = PrefillStats()
+        self._joined = gates if isinstance(gates, JoinedSlotGates) else None
+        self._forwarder = ReadPartsForwarder(gates)
+        self._tracker = RequestCompletionTracker()
+        self._engine: TransferEngine | None = None
+        self._layers: tuple[LayerMeta, ...] = ()
+        self._index_of: dict[str, int] = {}
+        self._slot_keys: dict[str, SlotKey] = {}
+        self._block_bytes = 0
+        self._bases: dict[int, int] = {}
+        self._publishers: dict[int, PrefillPublisher] = {}
+        self._publishers_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._sends: dict[str, _Send] = {}  # transfer id -> state
+        self._done: set[str] = set()  # vLLM request ids whose sends are over
+        self._settled: dict[str, str | None] = {}  # transfer id -> None (ok) or the failure
+        self._failed: OrderedDict[str, str] = OrderedDict()
+        """Transfers that failed: later chunks of theirs (chunked prefill) are not published."""
+        self._vllm_finished: set[str] = set()
+        self._step = 0
+        self._chunks: tuple[SendChunk, ...] = ()
+        self._notifier = Notifier("kvo-prefill-notify")
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
+        layers, block_bytes = describe_kv_caches(kv_caches)
+        config = self.config
+        if config.transfer_backend == "mooncake":
+            engine = create_transfer_engine("mooncake", hostname=config.local_hostname,
+                                            protocol=config.mooncake_protocol)
+        else:
+            engine = create_transfer_engine("memfabric",
+                                            protocol=config.memfabric_transfer_protocol)
+        metas = []
+        spans = []
+        for name, index, tensor in layers:
+            base = tensor.data_ptr()
+            num_blocks = tensor.shape[0]
+            metas.append(LayerMeta(index=index, name=name, main=TensorGroup(
+                base_addrs=(base,), block_bytes=(block_bytes,), num_blocks=num_blocks)))
+            spans.append((base, base + num_blocks * block_bytes))
+            self._index_of[name] = index
+            self._bases[index] = base
+            self._slot_keys[name] = slot_key_of(name) if slot_key_of else (base,)
+        for start, end in merged_regions(spans):
+            engine.register(start, end - start)
+        self._engine = engine
+        self._layers = tuple(metas)
+        self._block_bytes = block_bytes
+        logger.info("kvo remote_d2h prefill rank %d/%d: %d layers exposed in %d region(s), "
+                    "engine %s", self.tp_rank, self.tp_size, len(metas),
+                    len(merged_regions(spans)), engine.session_id)
+
+    def _publisher(self, decode_tp: int) -> PrefillPublisher:
+        with self._publishers_lock:
+            publisher = self._publishers.get(decode_tp)
+            if publisher is None:
+                if self._engine is None:
+                    raise RuntimeError("register_kv_caches has not run yet")
+                publisher = PrefillPublisher.for_engine(
+                    self._engine, instance_id=self.instance_id, prefill_tp=self.tp_size,
+                    p_rank=self.tp_rank, decode_tp=decode_tp, layers=self._layers,
+                    gates=self._forwarder, tracker=self._tracker,
+                    handshake_timeout_s=self.config.handshake_timeout_s,
+                    layer_deadline_s=self.config.layer_deadline_s,
+                    request_part=REQUEST_PART)
+                self._publishers[decode_tp] = publisher
+            return publisher
+
+    def _endpoint(self, chunk: SendChunk) -> str:
+        mapping = TPMapping(self.tp_size, len(chunk.decode_endpoints))
+        return chunk.decode_endpoints[mapping.decode_rank(self.tp_rank)]
+
+    # -- per step -----------------------------------------------------------------------
+
+    def start_step(self, metadata: RemoteD2HMetadata) -> None:
+        self._step += 1
+        for request_id in metadata.abandoned_sends:
+            self._abandon(request_id)
+        chunks = []
+        for chunk in metadata.sends:
+            send = self._track(chunk)
+            if send.failure is None and self._connect(chunk, send):
+                chunks.append(chunk)
+        self._chunks = tuple(chunks)
+
+    def _track(self, chunk: SendChunk) -> _Send:
+        with self._lock:
+            send = self._sends.get(chunk.transfer_id)
+            if send is None:
+                send = self._sends[chunk.transfer_id] = _Send(request_id=chunk.request_id,
+                                                              transfer_id=chunk.transfer_id)
+                failure = self._failed.get(chunk.transfer_id)
+                if failure is not None:  # an earlier chunk failed: the decode gave up
+                    send.failure = failure
+                    send.give_up_at = time.monotonic()
+            return send
+
+    def _connect(self, chunk: SendChunk, send: _Send) -> bool:
+        endpoint = self._endpoint(chunk)
+        try:
+            publisher = self._publisher(len(chunk.decode_endpoints))
+            if publisher.is_connected(endpoint):
+                return True
+            publisher.connect(endpoint)
+            with self._lock:
+                self.stats.handshakes += 1
+            return True
+        except Exception as error:  # refused, timed out, bad topology: this request only
+            with self._lock:
+                self.stats.handshake_failures += 1
+            reason = f"prefill cannot hand request KV to decode {endpoint}: {error}"
+            logger.error("kvo remote_d2h: %s", reason)
+            self._give_up(send, reason)
+            self._notifier.post(chunk.notify_url,
+                                PrefillFailed(transfer_id=chunk.transfer_id,
+                                              error=str(error)).to_json())
+            return False
+
+    def publish_layer(self, layer_name: str) -> list[str]:
+        """Publish this step's chunks of ``layer_name``; the slot-gate parts that now wait.
+
+        A request whose decode stopped answering (a READY failed or passed its deadline) is
+        not published any further: later layers of the step then do not wait for it too.
+        """
+        index = self._index_of.get(layer_name)
+        if index is None or not self._chunks:
+            return []
+        self._drain_tracker()
+        with self._lock:
+            live = [c for c in self._chunks
+                    if (send := self._sends.get(c.transfer_id)) is not None
+                    and send.failure is None]
+        by_tp: dict[int, list[SendChunk]] = {}
+        for chunk in live:
+            by_tp.setdefault(len(chunk.decode_endpoints), []).append(chunk)
+        key = self._slot_keys[layer_name]
+        last_layer = index == len(self._layers) - 1
+        parts = []
+        for decode_tp, chunks in by_tp.items():
+            part = f"remote:{self._step}:{index}:{decode_tp}"
+            if self._joined is not None:
+                self._joined.announce(key, part)
+            self._forwarder.target_next(key, part)
+            try:
+                self._publish(decode_tp, index, key, chunks, last_layer)
+            except Exception as error:
+                logger.error("kvo remote_d2h: publishing layer %s failed: %s", layer_name, error)
+                for chunk in chunks:
+                    send = self._sends.get(chunk.transfer_id)
+                    if send is not None:
+                        self._give_up(send, f"publish failed: {error}")
+                if self._joined is not None:  # nothing reads the buffer for this part
+                    self._joined.mark_done(key, part)
+            parts.append(part)
+        return parts
+
+    def _publish(self, decode_tp: int, index: int, key: SlotKey, chunks: list[SendChunk],
+                 last_layer: bool) -> None:
+        publisher = self._publisher(decode_tp)
+        by_endpoint: dict[str, list] = {}
+        blocks = 0
+        for chunk in chunks:
+            ready = publisher.ready_request(chunk.transfer_id, chunk.start_block,
+                                            chunk.block_ids)
+            by_endpoint.setdefault(self._endpoint(chunk), []).append(ready)
+            blocks += len(chunk.block_ids)
+        last = [c.transfer_id for c in chunks if c.last] if last_layer else []
+        publisher.publish_layer(index, key, by_endpoint, last_layer_request_ids=last)
+        now = time.monotonic()
+        with self._lock:
+            for chunk in chunks:
+                self._sends[chunk.transfer_id].published_at = now
+            self.stats.published_layers += 1
+            self.stats.published_blocks += blocks
+            self.stats.published_bytes += blocks * self._block_bytes
+
+    # -- completion ---------------------------------------------------------------------
+
+    def _remember_failure(self, transfer_id: str, reason: str) -> None:
+        """(lock held)"""
+        self._failed[transfer_id] = reason
+        while len(self._failed) > MAX_REMEMBERED_FAILURES:
+            self._failed.popitem(last=False)
+
+    def _give_up(self, send: _Send, reason: str) -> None:
+        """The request will not complete normally: report it once its READYs have settled."""
+        with self._lock:
+            self._remember_failure(send.transfer_id, reason)
+            if send.failure is None:
+                send.failure = reason
+            grace = 0.0 if send.published_at is None else self.config.layer_deadline_s + 1.0
+            base = time.monotonic() if send.published_at is None else send.published_at
+            send.give_up_at = base + grace
+
+    def _abandon(self, request_id: str) -> None:
+        with self._lock:
+            sends = [s for s in self._sends.values() if s.request_id == request_id]
+        for send in sends:
+            self._give_up(send, "request finished before its prompt was sent")
+            for publisher in list(self._publishers.values()):
+                publisher.forget(send.transfer_id)
+
+    def _drain_tracker(self) -> None:
+        """Take the publishers' verdicts; a failed request is not published any more."""
+        ok, failed = self._tracker.pop_finished()
+        if not ok and not failed:
+            return
+        with self._lock:
+            for transfer_id in ok:
+                self._settled[transfer_id] = None
+            for transfer_id, error in failed.items():
+                self._settled[transfer_id] = error
+                self._remember_failure(transfer_id, error)
+                send = self._sends.get(transfer_id)
+                if send is not None and send.failure is None:
+                    send.failure = error
+
+    def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Request ids vLLM finished whose sends are all answered (their blocks may go)."""
+        self._drain_tracker()
+        now = time.monotonic()
+        with self._lock:
+            known = {send.request_id for send in self._sends.values()} | self._done
+            self._vllm_finished.update(r for r in finished_req_ids if r in known)
+            settled, self._settled = self._settled, {}
+            for transfer_id, failure in settled.items():
+                send = self._sends.pop(transfer_id, None)
+                if send is not None:
+                    self._done.add(send.request_id)
+                    if failure is not None:
+                        self.stats.sends_failed += 1
+                        logger.warning("kvo remote_d2h: sending request %s failed: %s",
+                                       send.request_id, failure)
+                    else:
+                        self.stats.sends_done += 1
+            for transfer_id, send in list(self._sends.items()):
+                if send.give_up_at is not None and now >= send.give_up_at:
+                    del self._sends[transfer_id]
+                    self._done.add(send.request_id)
+                    self.stats.sends_failed += 1
+            ready = self._done & self._vllm_finished
+            self._done -= ready
+            self._vllm_finished -= ready
+        return ready
+
+    def snapshot(self) -> dict[str, object]:
+        return {"role": "prefill", **attrs.asdict(self.stats),
+                "layer_bases": {str(i): base for i, base in sorted(self._bases.items())},
+                "in_flight_sends": len(self._sends),
+                "in_flight_reads": self._forwarder.in_flight()}
+
+    def close(self) -> None:
+        for publisher in list(self._publishers.values()):
+            publisher.close()
+        self._publishers.clear()
+        self._notifier.close()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

@@ -1,0 +1,233 @@
+"""The P/D proxy's decode-first flow against fake engines (its own logic only).
+
+The fake decode advertises its destination to the proxy's notify endpoint and answers once the
+fake prefill was asked; the fake prefill records what it got. The real engines are exercised by
+tests/e2e/test_pd.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import attrs
+from aiohttp import web
+
+from kvo_vllm.proxy.app import NOTIFY_PATH, build_app
+from kvo_vllm.proxy.flow import ProxyConfig
+from kvo_vllm.remote_d2h.params import DecodeReady, PrefillFailed
+
+ENDPOINT = "tcp://127.0.0.1:20100"
+STREAM = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
+          b"data: [DONE]\n\n"]
+
+
+@attrs.define
+class Fakes:
+    """Behaviour switches and what the fake engines saw."""
+
+    notify: bool = True
+    decode_status: int = 200
+    prefill_fails: str | None = None
+    prefill_status: int = 200
+    decode_bodies: list[dict[str, Any]] = attrs.Factory(list)
+    prefill_bodies: list[dict[str, Any]] = attrs.Factory(list)
+    decode_cancelled: int = 0
+    prefilled: asyncio.Event = attrs.Factory(asyncio.Event)
+
+
+def _port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def _serve(app: web.Application, sock: socket.socket) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner
+
+
+def _decode_app(fakes: Fakes) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        fakes.decode_bodies.append(body)
+        if fakes.decode_status != 200:
+            return web.json_response({"error": {"message": "bad request"}},
+                                     status=fakes.decode_status)
+        params = body["kv_transfer_params"]
+        if fakes.notify:
+            ready = DecodeReady(transfer_id=params["kvo_transfer_id"], d_rank=0, decode_tp=1,
+                                endpoint=ENDPOINT, skip_blocks=1, num_blocks=4)
+            async with aiohttp.ClientSession() as session:
+                await session.post(params["kvo_notify_url"], json=ready.to_json())
+            for _ in range(200):  # until the prefill was asked, or the proxy hung up
+                if fakes.prefilled.is_set():
+                    break
+                if request.transport is None or request.transport.is_closing():
+                    fakes.decode_cancelled += 1
+                    return web.Response(status=499)
+                await asyncio.sleep(0.05)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "ab", "token_ids": [1, 2]}]})
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        for chunk in STREAM:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def _prefill_app(fakes: Fakes) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        fakes.prefill_bodies.append(body)
+        params = body["kv_transfer_params"]
+        if fakes.prefill_fails:
+            failed = PrefillFailed(transfer_id=params["kvo_transfer_id"],
+                                   error=fakes.prefill_fails)
+            async with aiohttp.ClientSession() as session:
+                await session.post(params["kvo_notify_url"], json=failed.to_json())
+            await asyncio.sleep(5)  # the proxy must not wait for this answer
+        fakes.prefilled.set()
+        if fakes.prefill_status != 200:
+            return web.json_response({"error": {"message": "prompt too long"}},
+                                     status=fakes.prefill_status)
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def _run(fakes: Fakes, scenario: Callable[[str, aiohttp.ClientSession], Awaitable[None]]
+         ) -> None:
+    async def main() -> None:
+        socks = [_port() for _ in range(3)]
+        urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
+        config = ProxyConfig(prefill_urls=(urls[1],), decode_urls=(urls[2],),
+                             notify_url=urls[0] + NOTIFY_PATH, ready_timeout_s=5)
+        runners = [await _serve(build_app(config), socks[0]),
+                   await _serve(_prefill_app(fakes), socks[1]),
+                   await _serve(_decode_app(fakes), socks[2])]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await asyncio.wait_for(scenario(urls[0], session), 30)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 5, "min_tokens": 2, "temperature": 0}
+
+
+def test_decode_first_then_prefill_then_the_decode_answer() -> None:
+    fakes = Fakes()
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/completions", json=BODY) as response:
+            assert response.status == 200
+            assert (await response.json())["choices"][0]["token_ids"] == [1, 2]
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            metadata = await response.json()
+        assert metadata["decode_endpoints"] == {"0": ENDPOINT}
+        assert metadata["requests"][0]["outcome"] == "ok"
+        assert metadata["requests"][0]["skip_blocks"] == 1
+
+    _run(fakes, scenario)
+    decode_params = fakes.decode_bodies[0]["kv_transfer_params"]
+    prefill = fakes.prefill_bodies[0]
+    assert decode_params["do_remote_prefill"] is True
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "min_tokens" not in prefill
+    params = prefill["kv_transfer_params"]
+    assert params["do_remote_decode"] is True
+    assert params["kvo_transfer_id"] == decode_params["kvo_transfer_id"]
+    assert params["kvo_decode_endpoints"] == [ENDPOINT]
+    assert (params["kvo_skip_blocks"], params["kvo_stop_block"]) == (1, 4)
+
+
+def test_streams_are_relayed_chunk_by_chunk() -> None:
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/chat/completions",
+                                json={**BODY, "stream": True}) as response:
+            assert response.status == 200
+            assert await response.read() == b"".join(STREAM)
+
+    _run(Fakes(), scenario)
+
+
+def test_a_refused_hand_off_aborts_decode_with_a_clear_error() -> None:
+    fakes = Fakes(prefill_fails="decode rejected the handshake: block size mismatch")
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/completions", json=BODY) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        assert error["type"] == "kvo_transfer_error"
+        assert "block size mismatch" in error["message"]
+        await asyncio.sleep(0.5)
+        assert fakes.decode_cancelled == 1  # the decode request was dropped, not left waiting
+
+    _run(fakes, scenario)
+
+
+def test_engine_errors_are_relayed() -> None:
+    decode_error = Fakes(decode_status=400)
+
+    async def refused(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/completions", json=BODY) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["message"] == "bad request"
+
+    _run(decode_error, refused)
+    assert decode_error.prefill_bodies == []
+
+    prefill_error = Fakes(prefill_status=400)
+
+    async def too_long(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/completions", json=BODY) as response:
+            assert response.status == 400
+            assert "prompt too long" in (await response.json())["error"]["message"]
+
+    _run(prefill_error, too_long)
+
+
+def test_a_decode_that_computes_locally_is_relayed_without_prefill() -> None:
+    fakes = Fakes(notify=False)
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with session.post(proxy + "/v1/completions", json={**BODY, "stream": True}) as r:
+            assert r.status == 200 and await r.read() == b"".join(STREAM)
+
+    _run(fakes, scenario)
+    assert fakes.prefill_bodies == []
+
+
+def test_bad_client_requests_are_refused_at_the_door() -> None:
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        for body, word in (({**BODY, "n": 2}, "n = 1"),
+                           ({**BODY, "kv_transfer_params": {}}, "kv_transfer_params")):
+            async with session.post(proxy + "/v1/completions", json=body) as response:
+                assert response.status == 400
+                assert word in (await response.json())["error"]["message"]
+        async with session.post(proxy + "/v1/completions", data=b"{not json") as response:
+            assert response.status == 400
+        async with session.post(proxy + NOTIFY_PATH, data=json.dumps({"kind": "x"})) as r:
+            assert r.status == 400
+
+    _run(Fakes(), scenario)

@@ -1,0 +1,150 @@
+"""RemoteD2H's scheduler half with fake requests: what moves, when blocks may be freed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvo_vllm.remote_d2h.params import DecodePullParams, PrefillSendParams
+from kvo_vllm.remote_d2h.scheduler_side import SKIPPED_BLOCK, RemoteD2HScheduler
+
+BS = 4
+ENDPOINT = ("tcp://127.0.0.1:20100",)
+
+
+class FakeRequest:
+    def __init__(self, request_id: str, prompt: int, params: dict[str, Any] | None) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = prompt
+        self.num_computed_tokens = 0
+        self.kv_transfer_params = params
+
+
+def _scheduler(blocks: dict[str, list[int]]) -> RemoteD2HScheduler:
+    return RemoteD2HScheduler(block_size=BS, block_ids_of=lambda rid: blocks[rid])
+
+
+def _step(scheduler: RemoteD2HScheduler, scheduled: dict[str, int]) -> Any:
+    return scheduler.build_metadata(SimpleNamespace(num_scheduled_tokens=scheduled))
+
+
+# -- decode ------------------------------------------------------------------------------------
+
+def test_decode_pulls_the_full_blocks_a_warm_cache_would_cover() -> None:
+    params = DecodePullParams(transfer_id="t1", notify_url=None).to_params()
+    request = FakeRequest("r1", 17, params)  # (17 - 1) // 4 = 4 full blocks, 16 tokens
+    blocks = {"r1": [10, 11, 12, 13, 14]}
+    scheduler = _scheduler(blocks)
+    assert scheduler.num_new_matched_tokens(request, 0) == (16, True)
+    assert scheduler.num_new_matched_tokens(request, 8) == (8, True)  # local hit: 2 blocks
+    scheduler.update_state_after_alloc(request, 8)
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # one pull per request
+    assert scheduler.num_new_matched_tokens(request, 0) == (0, False)
+    recv = _step(scheduler, {}).recvs[0]
+    assert recv.transfer_id == "t1" and recv.skip_blocks == 2
+    assert recv.block_ids == (SKIPPED_BLOCK, SKIPPED_BLOCK, 12, 13)
+    assert _step(scheduler, {}).recvs == ()
+
+
+def test_decode_computes_prompts_without_a_full_block_itself() -> None:
+    params = DecodePullParams(transfer_id="t2").to_params()
+    scheduler = _scheduler({})
+    assert scheduler.num_new_matched_tokens(FakeRequest("r", BS, params), 0) == (0, False)
+    plain = FakeRequest("p", 40, None)
+    assert scheduler.num_new_matched_tokens(plain, 0) == (0, False)
+
+
+def test_decode_abort_while_pulling_is_revoked_and_delays_the_free() -> None:
+    scheduler = _scheduler({"a": [1, 2], "b": [3, 4]})
+    for rid in ("a", "b"):
+        request = FakeRequest(rid, 9, DecodePullParams(transfer_id=f"t-{rid}").to_params())
+        scheduler.update_state_after_alloc(request, 8)
+    _step(scheduler, {})
+    scheduler.on_connector_output({"b"})  # b arrived, a is still being pulled
+    assert scheduler.request_finished(FakeRequest("a", 9, {})) == (True, None)
+    assert scheduler.request_finished(FakeRequest("b", 9, {})) == (False, None)
+    assert _step(scheduler, {}).revoked_recvs == ("a",)
+
+
+def test_bad_params_fall_back_to_local_compute() -> None:
+    request = FakeRequest("r", 40, {"do_remote_prefill": True, "kvo_transfer_id": "no spaces!"})
+    assert _scheduler({}).num_new_matched_tokens(request, 0) == (0, False)
+    assert request.kv_transfer_params["do_remote_prefill"] is False
+
+
+# -- prefill -----------------------------------------------------------------------------------
+
+def _prefill_request(rid: str, prompt: int, stop: int, skip: int = 0) -> FakeRequest:
+    params = PrefillSendParams(transfer_id=f"t-{rid}", decode_endpoints=ENDPOINT,
+                               stop_block=stop, skip_blocks=skip).to_params()
+    return FakeRequest(rid, prompt, params)
+
+
+def test_prefill_chunks_resend_partial_blocks_and_stop_at_the_wanted_block() -> None:
+    blocks = {"r": list(range(100, 106))}  # 22 tokens -> 6 blocks; decode wants 5
+    scheduler = _scheduler(blocks)
+    request = _prefill_request("r", 22, stop=5, skip=1)
+    scheduler.on_new_request(request)
+    first = _step(scheduler, {"r": 10}).sends[0]  # tokens [0, 10): blocks 1, 2 (partial)
+    assert (first.start_block, first.block_ids, first.last) == (1, (101, 102), False)
+    request.num_computed_tokens = 10
+    second = _step(scheduler, {"r": 12}).sends[0]  # tokens [10, 22): block 2 again .. 4
+    assert (second.start_block, second.block_ids, second.last) == (2, (102, 103, 104), True)
+    request.num_computed_tokens = 22
+    assert _step(scheduler, {"r": 1}).sends == ()  # decoding: nothing more to send
+    assert scheduler.request_finished(request) == (True, {"kvo_transfer_id": "t-r"})
+
+
+def test_prefill_prefix_hit_sends_its_context_in_the_first_step() -> None:
+    scheduler = _scheduler({"r": list(range(6))})
+    request = _prefill_request("r", 22, stop=5)
+    scheduler.on_new_request(request)
+    request.num_computed_tokens = 20  # a prefix hit beyond decode's last wanted block
+    chunk = _step(scheduler, {"r": 2}).sends[0]
+    assert (chunk.start_block, chunk.block_ids, chunk.last) == (0, (0, 1, 2, 3, 4), True)
+
+
+def test_prefill_abort_before_the_last_chunk_is_abandoned() -> None:
+    scheduler = _scheduler({"r": list(range(6)), "q": [7, 8]})
+    request = _prefill_request("r", 22, stop=5)
+    untouched = _prefill_request("q", 8, stop=1)
+    scheduler.on_new_request(request)
+    scheduler.on_new_request(untouched)
+    _step(scheduler, {"r": 6})
+    assert scheduler.request_finished(request)[0] is True
+    assert scheduler.request_finished(untouched) == (False, None)  # never published
+    assert _step(scheduler, {}).abandoned_sends == ("r",)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=st.integers(min_value=BS + 1, max_value=60), data=st.data())
+def test_prefill_sends_every_wanted_block_complete(prompt: int, data: Any) -> None:
+    """Whatever the chunking, each block in [skip, stop) is sent, its last send after it was
+    complete, and the last chunk is flagged exactly once, when nothing is missing."""
+    stop = (prompt - 1) // BS
+    skip = data.draw(st.integers(min_value=0, max_value=stop - 1))
+    scheduler = _scheduler({"r": list(range(1000, 1000 + -(-prompt // BS)))})
+    request = _prefill_request("r", prompt, stop=stop, skip=skip)
+    scheduler.on_new_request(request)
+    request.num_computed_tokens = data.draw(st.integers(min_value=0, max_value=prompt - 1))
+    final_send: dict[int, int] = {}  # block -> tokens computed when it was last sent
+    lasts = 0
+    while request.num_computed_tokens < prompt:
+        left = prompt - request.num_computed_tokens
+        scheduled = data.draw(st.integers(min_value=1, max_value=left))
+        for chunk in _step(scheduler, {"r": scheduled}).sends:
+            lasts += chunk.last
+            for offset, block_id in enumerate(chunk.block_ids):
+                position = chunk.start_block + offset
+                assert block_id == 1000 + position
+                final_send[position] = request.num_computed_tokens + scheduled
+            if chunk.last:
+                assert set(final_send) == set(range(skip, stop))
+        request.num_computed_tokens += scheduled
+    assert lasts == 1
+    assert set(final_send) == set(range(skip, stop))
+    for position, computed in final_send.items():
+        assert computed >= (position + 1) * BS  # the block was full when last sent
