@@ -26,7 +26,7 @@ from kvo_core.config import LayerwiseOffloadConfig
 from kvo_vllm.layerwise.keys import StoreKeys
 from kvo_vllm.layerwise.layout import apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTransfers
-from kvo_vllm.layerwise.worker_side import LayerwiseWorker, PipelineError
+from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS, LayerwiseWorker, PipelineError
 
 NUM_BLOCKS = 4
 SPEC = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32)
@@ -42,6 +42,7 @@ class MemoryStore:
         self.events: list[tuple[str, str, float]] = []
         self.put_delay = 0.0
         self.fail_puts_for: set[str] = set()
+        self.fail_gets: dict[str, int] = {}  # key -> how many more gets of it raise
         self.lock = threading.Lock()
 
     def register(self, ptr: int, length: int) -> None:
@@ -62,6 +63,12 @@ class MemoryStore:
     def get_into(self, keys, addrs, lengths) -> list[bool]:
         found = []
         with self.lock:
+            broken = [k for k in keys if self.fail_gets.get(k, 0) > 0]
+            for key in broken:
+                self.fail_gets[key] -= 1
+            if broken:  # like Mooncake's LEASE_EXPIRED: the whole batched get raises
+                self.events.append(("failed-get", broken[0], time.monotonic()))
+                raise RuntimeError(f"get of {broken} failed: LEASE_EXPIRED")
             for key, addr, length in zip(keys, addrs, lengths, strict=True):
                 self.events.append(("get", key, time.monotonic()))
                 value = self.values.get(key)
@@ -114,6 +121,10 @@ def forward(worker: LayerwiseWorker, caches: dict, meta: LayerwiseMetadata,
             seen[name] = caches[name].clone()  # what attention reads
         worker.after_attention(name)  # save_kv_layer
     worker.finish_step()
+
+
+def two_request_meta(first: RequestTransfers, second: RequestTransfers) -> LayerwiseMetadata:
+    return LayerwiseMetadata(requests=(first, second))
 
 
 def step_meta(*, save: list[tuple[int, str]] = (), shared: list[tuple[int, str]] = (),
@@ -184,3 +195,43 @@ def test_request_blocks_are_removed_when_the_request_finishes(rig) -> None:
     worker.forget_requests({"r"})
     worker._cleaner.submit(lambda: None).result()
     assert {k for k in store.values} == {KEYS.key("h/ab", i) for i in range(6)}
+
+
+def test_a_get_that_raises_is_retried_with_a_fresh_call(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS - 1}
+    seen: dict[str, torch.Tensor] = {}
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 200.0},
+            seen)
+    assert worker.take_load_errors() == set()
+    assert torch.all(seen[NAMES[3]][1] == 103.0)  # layer 3's own context, loaded on a retry
+    assert worker.stats.failed_loads == 0
+
+
+def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> None:
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}  # every try of layer 3 raises
+    tainted = RequestTransfers(request_id="r", load_shared_layers=(BlockRef(1, "b1"),),
+                               save=(BlockRef(1, "h/late"), BlockRef(2, "b2")))
+    healthy = RequestTransfers(request_id="s", save=(BlockRef(3, "c3"),))
+    seen: dict[str, torch.Tensor] = {}
+    forward(worker, caches, two_request_meta(tainted, healthy), {2: 200.0, 3: 300.0}, seen)
+    # Layer 3 attended over layer 1's KV (its buffer's previous occupant), not its own ...
+    assert torch.all(seen[NAMES[3]][1] == 101.0)
+    # ... so vLLM is told, and drops and recomputes (or fails) request r ...
+    assert worker.take_load_errors() == {1}
+    # ... and nothing r computed from layer 3 on (nor the stale block) reaches the store;
+    # b2's older value from the previous step is removed too, never loaded as current.
+    worker._cleaner.submit(lambda: None).result()
+    for name in ("h/late", "b2"):
+        assert {i for i in range(6) if KEYS.key(name, i) in store.values} == {0, 1, 2}, name
+    assert {i for i in range(6) if KEYS.key("c3", i) in store.values} == set(range(6))
+    store.values[KEYS.key("b2", 4)] = bytes(SPEC.page_size_bytes)  # even if a copy survives
+    forward(worker, caches, step_meta(shared=[(2, "b2")]), {})
+    assert worker.take_load_errors() == {2}
+    # The next step is clean again: r, recomputed, saves every layer.
+    forward(worker, caches, step_meta(save=[(1, "h/late"), (2, "b2")]), {1: 1.0, 2: 2.0})
+    assert worker.take_load_errors() == set()
+    assert all(KEYS.key("b2", i) in store.values for i in range(6))

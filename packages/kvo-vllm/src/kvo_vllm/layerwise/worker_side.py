@@ -15,8 +15,14 @@ before its predecessor in the forward returns. Hence:
   blocks the scheduler listed into the slot;
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
 
-A failed load is reported as invalid blocks (vLLM then recomputes or fails the request, as
-configured); a failed save poisons its keys so nothing ever loads the stale value.
+A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
+times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
+requests' output of this step and recomputes them from their first failed block, or fails them,
+as ``kv_load_failure_policy`` says. The step's forward still runs over the failed layer's buffer
+(for a shared layer it holds another layer's KV), so from that layer on the affected requests'
+KV is wrong: their saves for those layers are dropped and the keys poisoned (removed, never
+loaded), so neither another request nor a later step loads wrong or outdated KV from the store.
+A failed save poisons its keys the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ ExtraParts = Callable[[str, int], Iterable[str]]
 """Further consumers of a layer's buffer for one step: (layer name, step) -> part names."""
 
 STORE_PART = "store"
+LOAD_ATTEMPTS = 3
+"""Tries of one layer's batched get before its blocks are reported as load errors."""
 
 
 class PipelineError(KvoError, RuntimeError):
@@ -106,6 +114,7 @@ class LayerwiseWorker:
         self._poison_lock = threading.Lock()
         self._request_blocks: dict[str, set[str]] = {}
         self._load_errors: set[int] = set()
+        self._step_failed: set[int] = set()
         self._step = 0
         self._meta: LayerwiseMetadata | None = None
         self._loads: dict[bool, list[BlockRef]] = {}
@@ -145,6 +154,7 @@ class LayerwiseWorker:
         self._ready = set()
         self._pending_loads = {}
         self._save_futures = []
+        self._step_failed = set()
         if not meta.has_work:
             return
         with self._stats_lock:
@@ -177,8 +187,8 @@ class LayerwiseWorker:
         if self.extra_parts is not None:
             parts.update(self.extra_parts(layer_name, self._step))
         self.gates.close(buffer.slot, parts)
-        self._save_futures.append(self._saver.submit(self._save_layer, buffer, part,
-                                                     list(self._saves)))
+        saves = self._trusted_saves(buffer.layer.index)
+        self._save_futures.append(self._saver.submit(self._save_layer, buffer, part, saves))
         position = self._position[layer_name] + 1
         if position < len(self._order):
             self._prefetch_from(position)
@@ -247,7 +257,31 @@ class LayerwiseWorker:
         with self._stats_lock:
             self.stats.ready_wait_seconds += waited
         self._load_errors.update(failed)
+        self._step_failed.update(failed)
         self._ready.add(name)
+
+    def _trusted_saves(self, layer: int) -> list[BlockRef]:
+        """The step's saves for ``layer``, less those of requests a failed load made wrong.
+
+        A request that lost a load in this layer or an earlier one attended over KV that is
+        not its own; everything it computed from that layer on is wrong. It is not saved, and
+        its keys for this layer are poisoned: an older value under the same name (a partial
+        block saved last step) must not be loaded as if it were current. vLLM recomputes or
+        fails the request once ``take_load_errors`` reports the blocks; its re-save un-poisons.
+        """
+        if not self._step_failed or self._meta is None:
+            return list(self._saves)
+        failed = self._step_failed
+        trusted = LayerwiseMetadata(requests=tuple(
+            request for request in self._meta.requests
+            if not any(ref.block_id in failed
+                       for ref in (*request.load_every_layer, *request.load_shared_layers)))
+        ).saves()
+        kept = {ref.name for ref in trusted}
+        dropped = sorted({ref.name for ref in self._saves} - kept)
+        if dropped:
+            self._poison([self.keys.key(name, layer) for name in dropped])
+        return trusted
 
     def _wait_slot(self, buffer: _Buffer) -> None:
         """Wait until the previous occupant's consumers are done with the slot."""
@@ -275,16 +309,12 @@ class LayerwiseWorker:
         chosen = [i for i, ok in enumerate(usable) if ok]
         found = [False] * len(refs)
         if chosen:
-            try:
-                result = self.store.get_into([keys[i] for i in chosen],
-                                             [buffer.pointer + refs[i].block_id * size
-                                              for i in chosen],
-                                             [size] * len(chosen))
+            result = self._get_with_retries(buffer, [keys[i] for i in chosen],
+                                            [buffer.pointer + refs[i].block_id * size
+                                             for i in chosen], size)
+            if result is not None:
                 for i, ok in zip(chosen, result, strict=True):
                     found[i] = bool(ok)
-            except Exception as error:
-                logger.error("kvo layerwise: loading layer %s failed: %s",
-                             buffer.layer.name, error)
         failed = [ref.block_id for ref, ok in zip(refs, found, strict=True) if not ok]
         loaded = [ref.block_id for ref, ok in zip(refs, found, strict=True) if ok]
         if failed:
@@ -300,6 +330,25 @@ class LayerwiseWorker:
             self.stats.failed_loads += len(failed)
             self.stats.load_seconds += time.perf_counter() - started
         return failed
+
+    def _get_with_retries(self, buffer: _Buffer, keys: list[str], addrs: list[int],
+                          size: int) -> list[bool] | None:
+        """The store's per-key answer, or None when every try raised (all keys failed).
+
+        A raised get may have written part of the destination; a retry rewrites all of it.
+        """
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            try:
+                return list(self.store.get_into(keys, addrs, [size] * len(keys)))
+            except Exception as error:
+                if attempt == LOAD_ATTEMPTS:
+                    logger.error("kvo layerwise: loading layer %s failed after %d tries: %s",
+                                 buffer.layer.name, attempt, error)
+                else:
+                    logger.warning("kvo layerwise: loading layer %s failed (try %d of %d), "
+                                   "retrying: %s", buffer.layer.name, attempt, LOAD_ATTEMPTS,
+                                   error)
+        return None
 
     def _save_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         started = time.perf_counter()
