@@ -274,6 +274,8 @@ def test_decode_killed_mid_request_prefill_recovers(deployment: Deployment) -> N
     def run() -> None:
         outcome["answer"] = _complete(deployment.proxy, _prompt("juliett", 3000), stream=True)
 
+    # Decode stalls every read, so the kill lands while prefill still waits for acknowledgements.
+    deployment.set_faults(stall_reads_s=DEADLINE_S * 4)
     client = threading.Thread(target=run)
     client.start()
     deadline = time.monotonic() + 120
@@ -283,9 +285,20 @@ def test_decode_killed_mid_request_prefill_recovers(deployment: Deployment) -> N
             break
         time.sleep(0.05)
     else:
+        deployment.set_faults()
         pytest.fail("decode never advertised the request's destination")
-    time.sleep(0.3)  # the prefill is computing the 3000-token prompt now
+    # Kill only once the prefill is publishing this request's layers to decode (mid-transfer);
+    # killing earlier lets the proxy cancel the prefill before it sends anything.
+    while time.monotonic() < deadline:
+        now = deployment.stats("prefill")["remote"]["prefill"]
+        if now["published_layers"] > before["published_layers"]:
+            break
+        time.sleep(0.02)
+    else:
+        deployment.set_faults()
+        pytest.fail("prefill never published a layer of the request")
     deployment.managed("decode").kill()
+    deployment.set_faults()
     client.join(timeout=DEADLINE_S * 4)
     assert not client.is_alive(), "the client hung after decode died"
     assert not outcome["answer"].ok  # an error, not a truncated or made-up answer

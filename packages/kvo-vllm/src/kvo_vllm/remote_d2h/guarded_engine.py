@@ -108,6 +108,8 @@ class GuardedEngine:
                 self._failures_left -= 1
                 self.injected_failures += 1
                 raise TransferError("fault injection: this read was failed on purpose")
+            if self._faults.stall_reads_s > 0:
+                time.sleep(self._faults.stall_reads_s)
             started = time.perf_counter()
             self._engine.read(peer, local_addrs, remote_addrs, lengths)
             elapsed = time.perf_counter() - started
@@ -134,7 +136,8 @@ class GuardedEngine:
             logger.error("kvo fault injection: ignoring control file %s: %s", path, error)
             return
         self._faults = FaultInjection(corrupt_reads=faults.corrupt_reads,
-                                      fail_reads=faults.fail_reads, control_file=path)
+                                      fail_reads=faults.fail_reads, control_file=path,
+                                      stall_reads_s=faults.stall_reads_s)
         self._failures_left = faults.fail_reads
         logger.warning("kvo fault injection now: corrupt_reads=%s fail_reads=%d",
                        faults.corrupt_reads, faults.fail_reads)

@@ -34,10 +34,12 @@ class FaultInjection:
     corrupt_reads: bool = False
     fail_reads: int = 0
     control_file: str | None = None
+    stall_reads_s: float = 0.0  # every read first sleeps this long: a decode that stops answering
 
     @property
     def active(self) -> bool:
-        return self.corrupt_reads or self.fail_reads > 0 or self.control_file is not None
+        return (self.corrupt_reads or self.fail_reads > 0 or self.control_file is not None
+                or self.stall_reads_s > 0)
 
     @classmethod
     def from_value(cls, value: Any, *, allow_control_file: bool = True) -> FaultInjection:
@@ -46,7 +48,8 @@ class FaultInjection:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{FAULT_INJECTION} must be a mapping like "
                               f"{{'corrupt_reads': true, 'fail_reads': 2}}, got {value!r}")
-        known = ("corrupt_reads", "fail_reads", *(("control_file",) if allow_control_file
+        known = ("corrupt_reads", "fail_reads", "stall_reads_s",
+                 *(("control_file",) if allow_control_file
                                                    else ()))
         unknown = sorted(set(value) - set(known))
         if unknown:
@@ -60,11 +63,17 @@ class FaultInjection:
         if not isinstance(fail, int) or isinstance(fail, bool) or fail < 0:
             raise ConfigError(f"{FAULT_INJECTION}.fail_reads must be an integer >= 0, "
                               f"got {fail!r}")
+        stall = value.get("stall_reads_s", 0.0)
+        if (not isinstance(stall, (int, float)) or isinstance(stall, bool)
+                or not 0 <= stall <= 600):
+            raise ConfigError(f"{FAULT_INJECTION}.stall_reads_s must be a number of seconds in "
+                              f"[0, 600], got {stall!r}")
         control = value.get("control_file")
         if control is not None and (not isinstance(control, str) or not control):
             raise ConfigError(f"{FAULT_INJECTION}.control_file must be a file path, "
                               f"got {control!r}")
-        return cls(corrupt_reads=corrupt, fail_reads=fail, control_file=control)
+        return cls(corrupt_reads=corrupt, fail_reads=fail, control_file=control,
+                   stall_reads_s=float(stall))
 
 
 @attrs.frozen
