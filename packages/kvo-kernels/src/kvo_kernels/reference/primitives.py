@@ -72,26 +72,7 @@ def sparse_mla_attention(query: torch.Tensor, query_rope: torch.Tensor, kv: torc
     entries of the row (a slot listed twice counts twice). A row with no valid slot yields zeros.
     Output [T, N, Dl] in query's dtype.
     """
-    check.ndim("query", query, 3, "[T, N, Dl]")
-    check.ndim("query_rope", query_rope, 3, "[T, N, Dr]")
-    check.ndim("kv", kv, 2, "[C, Dl]")
-    check.ndim("k_rope", k_rope, 2, "[C, Dr]")
-    check.ndim("slots", slots, 2, "[T, K]")
-    for name, value in (("query", query), ("query_rope", query_rope), ("kv", kv),
-                        ("k_rope", k_rope)):
-        check.dtype(name, value, check.FLOAT_DTYPES)
-    check.dtype("slots", slots, check.INDEX_DTYPES)
-    check.same_device("query", query, query_rope=query_rope, kv=kv, k_rope=k_rope, slots=slots)
-    rows, heads, latent = query.shape
-    check.dim_size("query_rope", query_rope, 0, rows, "query.shape[0] (T)")
-    check.dim_size("query_rope", query_rope, 1, heads, "query.shape[1] (N)")
-    check.dim_size("kv", kv, 1, latent, "query.shape[2] (Dl)")
-    check.dim_size("k_rope", k_rope, 0, kv.shape[0], "kv.shape[0] (C)")
-    check.dim_size("k_rope", k_rope, 1, query_rope.shape[2], "query_rope.shape[2] (Dr)")
-    check.dim_size("slots", slots, 0, rows, "query.shape[0] (T)")
-    check.index_range("slots", slots, 0, kv.shape[0], allow_pad=True)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise KernelArgumentError(f"scale must be a finite float, got {scale!r}")
+    check_sparse_mla_attention_args(query, query_rope, kv, k_rope, slots, scale)
 
     valid = slots >= 0                                        # [T, K]
     safe = slots.clamp(min=0).to(torch.int64)
@@ -113,27 +94,7 @@ def sparse_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
     bounds-checked before anything is written, and ``dst_rows`` must not repeat (a repeated
     destination would make the result depend on copy order).
     """
-    check.tensor("src", src)
-    check.tensor("dst", dst)
-    check.ndim("src_rows", src_rows, 1, "[M]")
-    check.ndim("dst_rows", dst_rows, 1, "[M]")
-    check.dtype("src_rows", src_rows, check.INDEX_DTYPES)
-    check.dtype("dst_rows", dst_rows, check.INDEX_DTYPES)
-    if src.dim() < 1 or dst.dim() < 1:
-        raise KernelArgumentError("src and dst must have a row dimension (at least 1-D)")
-    if src.shape[1:] != dst.shape[1:]:
-        raise KernelArgumentError(
-            f"dst row shape {tuple(dst.shape[1:])} differs from src row shape "
-            f"{tuple(src.shape[1:])}")
-    if src.dtype != dst.dtype:
-        raise KernelArgumentError(f"dst dtype {dst.dtype} differs from src dtype {src.dtype}")
-    check.dim_size("dst_rows", dst_rows, 0, src_rows.shape[0], "src_rows.shape[0] (M)")
-    check.same_device("src", src, src_rows=src_rows)
-    check.same_device("dst", dst, dst_rows=dst_rows)
-    check.index_range("src_rows", src_rows, 0, src.shape[0])
-    check.index_range("dst_rows", dst_rows, 0, dst.shape[0])
-    if torch.unique(dst_rows).numel() != dst_rows.numel():
-        raise KernelArgumentError("dst_rows repeats a destination row; each must appear once")
+    check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=False)
     if src_rows.numel() == 0:
         return
     rows = src[src_rows.to(torch.int64)].to(dst.device)
@@ -177,3 +138,63 @@ def hadamard_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantised = torch.round(rotated / safe).clamp(-127, 127)
     quantised = torch.where(scale32 > 0, quantised, torch.zeros_like(quantised))
     return quantised.to(torch.int8), scale
+
+
+def check_sparse_mla_attention_args(query: torch.Tensor, query_rope: torch.Tensor,
+                                    kv: torch.Tensor, k_rope: torch.Tensor, slots: torch.Tensor,
+                                    scale: float) -> None:
+    """The argument checks of ``sparse_mla_attention``, shared by every implementation of it."""
+    check.ndim("query", query, 3, "[T, N, Dl]")
+    check.ndim("query_rope", query_rope, 3, "[T, N, Dr]")
+    check.ndim("kv", kv, 2, "[C, Dl]")
+    check.ndim("k_rope", k_rope, 2, "[C, Dr]")
+    check.ndim("slots", slots, 2, "[T, K]")
+    for name, value in (("query", query), ("query_rope", query_rope), ("kv", kv),
+                        ("k_rope", k_rope)):
+        check.dtype(name, value, check.FLOAT_DTYPES)
+    check.dtype("slots", slots, check.INDEX_DTYPES)
+    check.same_device("query", query, query_rope=query_rope, kv=kv, k_rope=k_rope, slots=slots)
+    rows, heads, latent = query.shape
+    check.dim_size("query_rope", query_rope, 0, rows, "query.shape[0] (T)")
+    check.dim_size("query_rope", query_rope, 1, heads, "query.shape[1] (N)")
+    check.dim_size("kv", kv, 1, latent, "query.shape[2] (Dl)")
+    check.dim_size("k_rope", k_rope, 0, kv.shape[0], "kv.shape[0] (C)")
+    check.dim_size("k_rope", k_rope, 1, query_rope.shape[2], "query_rope.shape[2] (Dr)")
+    check.dim_size("slots", slots, 0, rows, "query.shape[0] (T)")
+    check.index_range("slots", slots, 0, kv.shape[0], allow_pad=True)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale):
+        raise KernelArgumentError(f"scale must be a finite float, got {scale!r}")
+
+
+def check_sparse_copy_args(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                           dst_rows: torch.Tensor, *, one_device: bool) -> None:
+    """The argument checks of ``sparse_copy``, shared by every implementation of it.
+
+    ``one_device``: all four tensors on one device (a kernel); else src and dst may differ
+    (the reference copies host <-> device).
+    """
+    check.tensor("src", src)
+    check.tensor("dst", dst)
+    check.ndim("src_rows", src_rows, 1, "[M]")
+    check.ndim("dst_rows", dst_rows, 1, "[M]")
+    check.dtype("src_rows", src_rows, check.INDEX_DTYPES)
+    check.dtype("dst_rows", dst_rows, check.INDEX_DTYPES)
+    if src.dim() < 1 or dst.dim() < 1:
+        raise KernelArgumentError("src and dst must have a row dimension (at least 1-D)")
+    if src.shape[1:] != dst.shape[1:]:
+        raise KernelArgumentError(
+            f"dst row shape {tuple(dst.shape[1:])} differs from src row shape "
+            f"{tuple(src.shape[1:])}")
+    if src.dtype != dst.dtype:
+        raise KernelArgumentError(f"dst dtype {dst.dtype} differs from src dtype {src.dtype}")
+    check.dim_size("dst_rows", dst_rows, 0, src_rows.shape[0], "src_rows.shape[0] (M)")
+    if one_device:
+        check.same_device("src", src, dst=dst, src_rows=src_rows, dst_rows=dst_rows)
+    else:
+        check.same_device("src", src, src_rows=src_rows)
+        check.same_device("dst", dst, dst_rows=dst_rows)
+    check.index_range("src_rows", src_rows, 0, src.shape[0])
+    check.index_range("dst_rows", dst_rows, 0, dst.shape[0])
+    if torch.unique(dst_rows).numel() != dst_rows.numel():
+        raise KernelArgumentError("dst_rows repeats a destination row; each must appear once")

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvo_kernels import _checks as check
 from kvo_kernels.errors import KernelArgumentError
+from kvo_kernels.reference.primitives import check_sparse_copy_args
 from kvo_kernels.triton._launch import INTERPRETING, block, check_launchable
 
 _BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -70,27 +70,8 @@ def sparse_copy_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Ten
     src [S, ...], dst [D, ...] with the same row shape and dtype, on one device; indices [M]
     int32/int64, bounds-checked, ``dst_rows`` without repeats.
     """
-    check.tensor("src", src)
-    check.tensor("dst", dst)
-    check.ndim("src_rows", src_rows, 1, "[M]")
-    check.ndim("dst_rows", dst_rows, 1, "[M]")
-    check.dtype("src_rows", src_rows, check.INDEX_DTYPES)
-    check.dtype("dst_rows", dst_rows, check.INDEX_DTYPES)
-    if src.dim() < 1 or dst.dim() < 1:
-        raise KernelArgumentError("src and dst must have a row dimension (at least 1-D)")
-    if src.shape[1:] != dst.shape[1:]:
-        raise KernelArgumentError(
-            f"dst row shape {tuple(dst.shape[1:])} differs from src row shape "
-            f"{tuple(src.shape[1:])}")
-    if src.dtype != dst.dtype:
-        raise KernelArgumentError(f"dst dtype {dst.dtype} differs from src dtype {src.dtype}")
-    check.dim_size("dst_rows", dst_rows, 0, src_rows.shape[0], "src_rows.shape[0] (M)")
-    check.same_device("src", src, dst=dst, src_rows=src_rows, dst_rows=dst_rows)
+    check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=True)
     check_launchable("src", src)
-    check.index_range("src_rows", src_rows, 0, src.shape[0])
-    check.index_range("dst_rows", dst_rows, 0, dst.shape[0])
-    if torch.unique(dst_rows).numel() != dst_rows.numel():
-        raise KernelArgumentError("dst_rows repeats a destination row; each must appear once")
     count = src_rows.shape[0]
     if count == 0 or src.numel() == 0:
         return

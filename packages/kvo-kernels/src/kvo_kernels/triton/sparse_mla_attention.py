@@ -9,14 +9,11 @@ sum of the same rows. Slots of -1 are skipped; a row without any valid slot give
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kvo_kernels import _checks as check
-from kvo_kernels.errors import KernelArgumentError
+from kvo_kernels.reference.primitives import check_sparse_mla_attention_args
 from kvo_kernels.triton._launch import INTERPRETING, MIN_DOT, block, check_launchable, dot_in_fp32
 
 
@@ -90,26 +87,8 @@ def sparse_mla_attention_triton(query: torch.Tensor, query_rope: torch.Tensor, k
     fp32 rounding for fp32 inputs; with bf16/fp16 inputs on a GPU the probabilities enter the
     value product in the input dtype (as in flash attention).
     """
-    check.ndim("query", query, 3, "[T, N, Dl]")
-    check.ndim("query_rope", query_rope, 3, "[T, N, Dr]")
-    check.ndim("kv", kv, 2, "[C, Dl]")
-    check.ndim("k_rope", k_rope, 2, "[C, Dr]")
-    check.ndim("slots", slots, 2, "[T, K]")
-    for name, value in (("query", query), ("query_rope", query_rope), ("kv", kv),
-                        ("k_rope", k_rope)):
-        check.dtype(name, value, check.FLOAT_DTYPES)
-    check.dtype("slots", slots, check.INDEX_DTYPES)
-    check.same_device("query", query, query_rope=query_rope, kv=kv, k_rope=k_rope, slots=slots)
+    check_sparse_mla_attention_args(query, query_rope, kv, k_rope, slots, scale)
     rows, heads, latent = query.shape
-    check.dim_size("query_rope", query_rope, 0, rows, "query.shape[0] (T)")
-    check.dim_size("query_rope", query_rope, 1, heads, "query.shape[1] (N)")
-    check.dim_size("kv", kv, 1, latent, "query.shape[2] (Dl)")
-    check.dim_size("k_rope", k_rope, 0, kv.shape[0], "kv.shape[0] (C)")
-    check.dim_size("k_rope", k_rope, 1, query_rope.shape[2], "query_rope.shape[2] (Dr)")
-    check.dim_size("slots", slots, 0, rows, "query.shape[0] (T)")
-    check.index_range("slots", slots, 0, kv.shape[0], allow_pad=True)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise KernelArgumentError(f"scale must be a finite float, got {scale!r}")
     check_launchable("query", query)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if out.numel() == 0:
