@@ -316,6 +316,115 @@ def test_concurrent_rounds_on_many_slots() -> None:
 # -- RequestCompletionTracker --------------------------------------------------------------
 
 
+class QueuePump:
+    """A transport stand-in: answers queued by the test are reported by whoever pumps."""
+
+    def __init__(self, gates: SlotGates) -> None:
+        self.gates = gates
+        self.answers: queue.Queue[tuple[tuple[int, ...], str, str | None]] = queue.Queue()
+        self.interrupted = threading.Event()
+        self.interrupts = 0
+        self.pumping = 0
+        self.most_pumping = 0
+        self.reporters: list[int] = []
+        self._lock = threading.Lock()
+
+    def pump(self, timeout_s: float) -> bool:
+        with self._lock:
+            self.pumping += 1
+            self.most_pumping = max(self.most_pumping, self.pumping)
+        try:
+            try:
+                key, part, error = self.answers.get(timeout=min(timeout_s, 0.005))
+            except queue.Empty:
+                self.interrupted.wait(timeout_s)
+                self.interrupted.clear()
+                return False
+            self.reporters.append(threading.get_ident())
+            if error is None:
+                self.gates.mark_done(key, part)
+            else:
+                self.gates.mark_failed(key, part, error)
+            return True
+        finally:
+            with self._lock:
+                self.pumping -= 1
+
+    def interrupt(self) -> None:
+        self.interrupts += 1
+        self.interrupted.set()
+
+
+def test_a_waiter_handles_the_answers_itself_when_a_pump_is_attached() -> None:
+    gates = SlotGates()
+    pump = QueuePump(gates)
+    gates.attach_pump(pump)
+    gates.close((1,), ["read", "save"])
+    pump.answers.put(((1,), "read", None))
+    pump.answers.put(((1,), "save", None))
+    gates.wait((1,), 5.0)
+    assert pump.reporters == [threading.get_ident()] * 2  # no hand-off to another thread
+    assert pump.interrupts == 0  # the pumping thread's own reports need no interrupt
+
+
+def test_a_report_from_another_thread_interrupts_the_pump(monkeypatch) -> None:
+    import kvo_core.gates as gates_module
+
+    monkeypatch.setattr(gates_module, "PUMP_SLICE_S", 30.0)  # only an interrupt ends a slice
+    gates = SlotGates()
+    pump = QueuePump(gates)
+    gates.attach_pump(pump)
+    gates.close((1,), ["save"])
+    reporter = threading.Timer(0.1, gates.mark_done, ((1,), "save"))
+    reporter.start()
+    gates.wait((1,), 20.0)  # returns once interrupted, not after a 30 s slice
+    reporter.join()
+    assert pump.interrupts >= 1 and pump.reporters == []
+
+
+def test_one_waiter_pumps_at_a_time_and_failures_and_timeouts_still_work() -> None:
+    gates = SlotGates()
+    pump = QueuePump(gates)
+    gates.attach_pump(pump)
+    keys = [(k,) for k in range(6)]
+    for key in keys:
+        gates.close(key, ["read"])
+    results: dict[tuple[int, ...], object] = {}
+
+    def wait(key: tuple[int, ...]) -> None:
+        try:
+            gates.wait(key, 10.0)
+            results[key] = "ok"
+        except SlotFailedError as exc:
+            results[key] = exc
+
+    waiters = [threading.Thread(target=wait, args=(key,)) for key in keys]
+    for waiter in waiters:
+        waiter.start()
+    for key in keys:
+        pump.answers.put((key, "read", "broken" if key == (3,) else None))
+    for waiter in waiters:
+        waiter.join(20)
+        assert not waiter.is_alive()
+    assert pump.most_pumping == 1
+    assert isinstance(results.pop((3,)), SlotFailedError)
+    assert set(results.values()) == {"ok"}
+    gates.close((9,), ["never"])
+    with pytest.raises(SlotTimeoutError, match="never"):
+        gates.wait((9,), 0.2)
+
+
+def test_one_pump_per_table() -> None:
+    gates = SlotGates()
+    first, second = QueuePump(gates), QueuePump(gates)
+    gates.attach_pump(first)
+    gates.attach_pump(first)  # the same one again is fine
+    with pytest.raises(GateStateError, match="already attached"):
+        gates.attach_pump(second)
+    gates.attach_pump(None)
+    gates.attach_pump(second)
+
+
 def test_request_finishes_when_all_parts_are_done() -> None:
     tracker = RequestCompletionTracker()
     tracker.expect("req-1", ["layer0", "layer1"])

@@ -8,6 +8,7 @@ destination block that should not have been written is checked to still be zero.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -78,7 +79,20 @@ def check_untouched_blocks_are_zero(buffer: ShmBuffer,
                         f"stray write: layer {layer} {kind}[{tensor}] block {block_id}"
 
 
-def test_layers_and_chunked_requests_arrive_byte_identical(engines, buffers) -> None:
+class ReportThreads(SlotGates):
+    """SlotGates that remember which thread reported each part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reporters: list[int] = []
+
+    def mark_done(self, key, part) -> bool:
+        self.reporters.append(threading.get_ident())
+        return super().mark_done(key, part)
+
+
+@pytest.mark.parametrize("pumped", [False, True], ids=["io-thread", "waiter-pumps"])
+def test_layers_and_chunked_requests_arrive_byte_identical(engines, buffers, pumped) -> None:
     rng = random.Random(7)
     source = buffers(PREFILL.total_bytes)
     fill_random(source, 1)
@@ -101,8 +115,10 @@ def test_layers_and_chunked_requests_arrive_byte_identical(engines, buffers) -> 
     destinations = {rid: (main_dst[rid], indexer_dst.get(rid)) for rid in sizes}
     decode = DecodeProcess(DecodeSpec(shm_name=dest.name, geometry=DECODE,
                                       destinations=destinations))
-    gates, tracker = SlotGates(), RequestCompletionTracker()
+    gates, tracker = ReportThreads(), RequestCompletionTracker()
     publisher = publisher_for(engines[0], source, gates=gates, tracker=tracker)
+    if pumped:
+        gates.attach_pump(publisher)
     try:
         first = [Chunk("r-chunked", 0, main_src["r-chunked"][:4], indexer_src["r-chunked"][:4])]
         early = run_prefill_rank(publisher, decode.endpoint, first, PREFILL.layers, 1000,
@@ -120,7 +136,15 @@ def test_layers_and_chunked_requests_arrive_byte_identical(engines, buffers) -> 
         finished, failed, invalid, rejected, _ = decode.wait_terminal(list(sizes))
         assert set(finished) == set(sizes) and failed == {} and rejected == 0
         assert all(invalid[rid] == ([], []) for rid in sizes)
+        # Who opened the gates: the waiting (this) thread when it pumps, else the I/O thread.
+        here = threading.get_ident()
+        assert len(gates.reporters) == 2 * PREFILL.layers
+        if pumped:
+            assert here in gates.reporters  # (an answer that beats the wait goes to I/O)
+        else:
+            assert here not in gates.reporters
     finally:
+        gates.attach_pump(None)
         publisher.close()
         engines[0].unregister(source.ptr)
         decode.stop()

@@ -216,7 +216,9 @@ def test_peer_that_never_answers_the_handshake_times_out(engine, source, closing
     assert isinstance(silent.seen[0], MfMeta)  # it did get the MF_META
 
 
-def test_lost_acknowledgement_fails_the_slot_at_the_deadline(engine, source, closing) -> None:
+@pytest.mark.parametrize("pumped", [False, True], ids=["io-thread", "waiter-pumps"])
+def test_lost_acknowledgement_fails_the_slot_at_the_deadline(engine, source, closing,
+                                                             pumped) -> None:
     held: list[ReadReadyBatch] = []
 
     def drop_first(batch: ReadReadyBatch) -> list[Any]:
@@ -228,6 +230,8 @@ def test_lost_acknowledgement_fails_the_slot_at_the_deadline(engine, source, clo
     fake = closing(FakeDecode(drop_first))
     gates, tracker = SlotGates(), RequestCompletionTracker()
     publisher = closing(make_publisher(engine, source, gates=gates, tracker=tracker))
+    if pumped:
+        gates.attach_pump(publisher)
     key = (7,)
     request = publisher.ready_request("r", 0, (0, 1), (0, 1))
     publisher.publish_layer(0, key, {fake.endpoint: [request]}, deadline_s=0.5)
@@ -239,6 +243,7 @@ def test_lost_acknowledgement_fails_the_slot_at_the_deadline(engine, source, clo
     gates.wait(key, WAIT)
     finished, failed = pop_until(tracker, "r")
     assert "r" in failed and "LayerDeadlineError" in failed["r"] and not finished
+    gates.attach_pump(None)
 
 
 def test_decode_killed_mid_transfer_fails_the_slot_within_the_deadline(

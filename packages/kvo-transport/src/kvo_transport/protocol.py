@@ -253,19 +253,30 @@ class FrameDecoder:
         if size > self.max_frame_bytes:
             raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
                                 f"{self.max_frame_bytes} bytes")
+        try:  # one strict decode on the hot path; the header only to explain a failure
+            message: Message = self._message.decode(frame)
+        except msgspec.MsgspecError as exc:
+            raise self._explain(frame, exc) from None
+        if message.version != PROTOCOL_VERSION:
+            raise _version_error(type(message).__struct_config__.tag, message.version)
+        return message
+
+    def _explain(self, frame: bytes | bytearray | memoryview,
+                 error: msgspec.MsgspecError) -> ProtocolError:
+        """Why a frame did not decode: not ours at all, another version, or a broken field."""
+        size = len(frame)
         try:
             header = self._header.decode(frame)
         except msgspec.MsgspecError as exc:
-            raise ProtocolError(f"frame of {size} bytes is not a control-plane message: "
-                                f"{exc}") from None
+            return ProtocolError(f"frame of {size} bytes is not a control-plane message: {exc}")
         if header.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"{header.type[:64]!r} frame speaks protocol version "
-                                f"{header.version}; this side speaks {PROTOCOL_VERSION}")
-        try:
-            return self._message.decode(frame)
-        except msgspec.MsgspecError as exc:
-            raise ProtocolError(f"invalid {header.type[:64]!r} frame ({size} bytes): "
-                                f"{exc}") from None
+            return _version_error(header.type, header.version)
+        return ProtocolError(f"invalid {header.type[:64]!r} frame ({size} bytes): {error}")
+
+
+def _version_error(kind: object, version: int) -> ProtocolError:
+    return ProtocolError(f"{str(kind)[:64]!r} frame speaks protocol version {version}; "
+                         f"this side speaks {PROTOCOL_VERSION}")
 
 
 _default_decoder = FrameDecoder()

@@ -138,6 +138,10 @@ class PrefillSender:
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     layer_deadline_s=self.config.layer_deadline_s,
                     request_part=REQUEST_PART)
+                if self._joined is not None and not self._publishers:
+                    # The layer pipeline waits on the joined gates: let it handle the decode's
+                    # answers itself (one thread hand-off less per layer; see GatePump).
+                    self._joined.attach_pump(publisher)
                 self._publishers[decode_tp] = publisher
             return publisher
 
@@ -325,6 +329,8 @@ class PrefillSender:
                 "in_flight_reads": self._forwarder.in_flight()}
 
     def close(self) -> None:
+        if self._joined is not None:
+            self._joined.attach_pump(None)
         for publisher in list(self._publishers.values()):
             publisher.close()
         self._publishers.clear()
