@@ -61,13 +61,15 @@ def ensure_debian_packages(session: nox.Session, *names: str) -> None:
 
 
 def install_kvo(session: nox.Session, names: list[str], *extra_requirements: str) -> None:
-    """Install kvo packages (with their test extras) next to the pinned CPU torch.
+    """Install the last of ``names`` ALONE (its kvo dependencies come in as direct references
+    to this checkout: the "installs alone" promise), with its test extras, next to the pinned
+    CPU torch.
 
-    The packages are then force-reinstalled without dependencies, so a reused venv always
+    All of ``names`` are then force-reinstalled without dependencies, so a reused venv always
     runs the code in this checkout even though the version number did not change.
     """
-    specs = [f"{ROOT / 'packages' / n}[{EXTRAS[n]}]" for n in names]
-    session.install(TORCH, *extra_requirements, *specs)
+    top = names[-1]
+    session.install(TORCH, *extra_requirements, f"{ROOT / 'packages' / top}[{EXTRAS[top]}]")
     session.install("--no-deps", "--force-reinstall", "-q",
                     *[str(ROOT / "packages" / n) for n in names])
 

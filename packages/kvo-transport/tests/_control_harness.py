@@ -254,6 +254,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                        for rid in spec.destinations}
             events.put(("status", sorted(finished), dict(failed), invalid,
                         receiver.rejected_frames, engine.reads))
+        elif command == "closed_connections":
+            events.put(("closed_connections", receiver.closed_connections))
         elif command == "stop":
             receiver.close()
             buffer.close()
@@ -288,6 +290,12 @@ class DecodeProcess:
         event = self.next_event(30)
         assert event[0] == "status", event
         return event[1], event[2], event[3], event[4], event[5]
+
+    def closed_connections(self) -> int:
+        self.commands.put("closed_connections")
+        event = self.next_event(30)
+        assert event[0] == "closed_connections", event
+        return int(event[1])
 
     def wait_terminal(self, request_ids: Sequence[str], timeout: float = 20.0
                       ) -> tuple[list[str], dict[str, str], dict[str, Any], int, int]:

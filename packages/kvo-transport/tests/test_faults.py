@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from kvo_core.errors import SlotFailedError
 from kvo_core.gates import RequestCompletionTracker, SlotGates
 from kvo_transport.engine import TransferEngine, create_transfer_engine
-from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError
+from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, ProtocolError
 from kvo_transport.prefill_side import HandshakeRejectedError, PrefillPublisher
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
@@ -123,7 +123,7 @@ class FakeDecode:
     """
 
     def __init__(self, policy: Callable[[ReadReadyBatch], list[Any]],
-                 answer_handshake: bool = True) -> None:
+                 answer_handshake: bool = True, max_frame_bytes: int | None = None) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -131,6 +131,7 @@ class FakeDecode:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.policy = policy
         self.answer_handshake = answer_handshake
+        self.limit = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
         self.seen: list[Any] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -147,7 +148,7 @@ class FakeDecode:
             if isinstance(message, MfMeta):
                 if self.answer_handshake:
                     self.socket.send_multipart([identity, encode(HandshakeAnswer(
-                        version=PROTOCOL_VERSION, accepted=True))])
+                        version=PROTOCOL_VERSION, accepted=True, **self.limit))])
             else:
                 for answer in self.policy(message):
                     self.socket.send_multipart([identity, encode(answer)])
@@ -244,6 +245,39 @@ def test_lost_acknowledgement_fails_the_slot_at_the_deadline(engine, source, clo
     finished, failed = pop_until(tracker, "r")
     assert "r" in failed and "LayerDeadlineError" in failed["r"] and not finished
     gates.attach_pump(None)
+
+
+def test_a_silent_decode_fails_every_layer_in_flight_at_the_first_deadline(
+        engine, source, closing) -> None:
+    fake = closing(FakeDecode(lambda batch: []))  # alive, but never answers a READY
+    gates = SlotGates()
+    publisher = closing(make_publisher(engine, source, gates=gates))
+    request = publisher.ready_request("r", 0, (0, 1), (0, 1))
+    publisher.publish_layer(0, (1,), {fake.endpoint: [request]}, deadline_s=0.3)
+    # Queued behind layer 0 with deadlines far past WAIT: only the first deadline can end them.
+    for layer, key in ((1, (2,)), (0, (3,))):
+        publisher.publish_layer(layer, key, {fake.endpoint: [request]}, deadline_s=60.0)
+    first = wait_failure(gates, (1,))
+    assert "layer 0" in str(first) and "within 0.3 s" in str(first)
+    for key in ((2,), (3,)):
+        error = wait_failure(gates, key)
+        assert isinstance(error.__cause__, LayerDeadlineError)
+        assert "queued behind it" in str(error) and "seq" in str(error)
+
+
+def test_a_ready_over_the_decodes_frame_limit_fails_at_the_caller(engine, source,
+                                                                  closing) -> None:
+    fake = closing(FakeDecode(lambda batch: [done(batch)], max_frame_bytes=1024))
+    gates = SlotGates()
+    publisher = closing(make_publisher(engine, source, gates=gates))
+    small = [publisher.ready_request("r", 0, (0, 1), (0, 1))]
+    publisher.publish_layer(0, (1,), {fake.endpoint: small})
+    gates.wait((1,), WAIT)
+    big = [publisher.ready_request(f"r{i}", 0, (0, 1), (0, 1)) for i in range(64)]
+    with pytest.raises(ProtocolError, match=r"over the frame limit of 1024 .*the decode: 1024"):
+        publisher.publish_layer(1, (2,), {fake.endpoint: big})
+    assert gates.is_open((2,))  # nothing was closed, nothing sent
+    assert sum(isinstance(m, ReadReadyBatch) for m in fake.seen) == 1
 
 
 def test_decode_killed_mid_transfer_fails_the_slot_within_the_deadline(
@@ -347,6 +381,7 @@ def decode_for_garbage(engine) -> Iterator[tuple[DecodeProcess, PrefillPublisher
         try:
             yield decode, publisher, gates, raw
             # Oversized frames and a READY without handshake, then a valid peer once more.
+            closed_before = decode.closed_connections()
             raw.send(b"\x00" * (65 << 10))  # over the limit: zmq drops that connection
             fresh = context.socket(zmq.DEALER)
             fresh.setsockopt(zmq.LINGER, 0)
@@ -363,6 +398,7 @@ def decode_for_garbage(engine) -> Iterator[tuple[DecodeProcess, PrefillPublisher
             gates.wait((4,), WAIT)
             _, _, _, rejected, _ = decode.status()
             assert rejected > 0
+            assert decode.closed_connections() > closed_before  # seen and logged, not silent
         finally:
             raw.close()
             context.term()

@@ -15,10 +15,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import cast
 
 import attrs
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvo_core.errors import KvoError
 from kvo_core.gates import RequestCompletionTracker
@@ -47,6 +47,9 @@ from kvo_transport.read_plan import (
     intended_destination,
     plan_layer_read,
 )
+
+_EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's enum arithmetic costs microseconds per call
+_POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("kvo.transport.decode")
 
@@ -146,6 +149,9 @@ class DecodeReceiver:
             raise ControlSocketError(f"cannot bind the decode control socket on "
                                      f"{host}:{port}: {exc}") from exc
         self.endpoint = f"tcp://{host}:{port}"
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.closed_connections = 0
+        """Peer connections ZMQ closed (peers that left, or frames over the limit)."""
         wake = f"inproc://kvo-decode-wake-{next(_instances)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.bind(wake)
@@ -175,7 +181,8 @@ class DecodeReceiver:
         if self._started:
             self._wake_out.send(b"stop")
             self._thread.join()
-        for socket in (self._wake_out, self._wake_in, self._router):
+        self._router.disable_monitor()
+        for socket in (self._wake_out, self._wake_in, self._monitor, self._router):
             socket.close(linger=0)
         self._context.term()
 
@@ -225,16 +232,33 @@ class DecodeReceiver:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             events = dict(poller.poll())
             if self._wake_in in events:
                 return
-            while cast(int, self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if self._monitor in events:
+                self._on_monitor_events()
+            while self._router.getsockopt(_EVENTS) & _POLLIN:
                 parts = self._router.recv_multipart(zmq.NOBLOCK)
                 try:
                     self._on_frames(parts)
                 except Exception:  # a bug must not take the rank's control plane down
                     log.exception("decode %s: unexpected error handling a frame", self.endpoint)
+
+    def _on_monitor_events(self) -> None:
+        """Log connections ZMQ closed: a peer that went away, or one whose frame broke the size
+        limit (ZMQ drops such a frame by closing the connection, and says nothing else)."""
+        while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self.closed_connections += 1
+            peer = event.get("endpoint", b"?")
+            log.info("decode %s: a control connection (%s) was closed: its prefill stopped or "
+                     "died, or sent a frame over this rank's %d-byte limit", self.endpoint,
+                     peer.decode(errors="replace") if isinstance(peer, bytes) else peer,
+                     self._decoder.max_frame_bytes)
 
     def _on_frames(self, parts: list[bytes]) -> None:
         identity = parts[0]
@@ -296,7 +320,8 @@ class DecodeReceiver:
         log.info("decode %s: accepted MF_META from %s, member %d of %d, %d layers",
                  self.endpoint, label, meta.member, meta.ratio, len(meta.layers))
         self._reply(identity, HandshakeAnswer(version=PROTOCOL_VERSION, accepted=True,
-                                              decode_session_id=self._engine.session_id))
+                                              decode_session_id=self._engine.session_id,
+                                              max_frame_bytes=self._decoder.max_frame_bytes))
 
     # -- READY -> pull -> DONE / FAILED ----------------------------------------------------------
 

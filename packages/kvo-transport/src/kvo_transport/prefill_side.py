@@ -325,11 +325,13 @@ class PrefillPublisher:
                     requests=tuple(requests),
                     last_layer_request_ids=tuple(i for i in ids if i in last))
                 frame = encode(batch)
-                if len(frame) > self._max_frame_bytes:
+                limit = self._frame_limit(peer)
+                if len(frame) > limit:
                     raise ProtocolError(
                         f"READY for layer {layer_index} to {endpoint} is {len(frame)} bytes, "
-                        f"over the frame limit of {self._max_frame_bytes}; publish fewer "
-                        f"requests per batch")
+                        f"over the frame limit of {limit} (this rank: "
+                        f"{self._max_frame_bytes}, the decode: {_decode_limit(peer)}); "
+                        f"publish fewer requests per batch")
                 frames.append((peer, seq, frame, ids))
         parts = {peer.endpoint: _part_name(peer.endpoint, seq) for peer, seq, _, _ in frames}
         self._gates.close(slot_key, [*parts.values(), *extra_parts])
@@ -354,6 +356,10 @@ class PrefillPublisher:
         return PublishedLayer(layer_index=layer_index, slot_key=slot_key,
                               seqs={peer.endpoint: seq for peer, seq, _, _ in frames},
                               parts=parts)
+
+    def _frame_limit(self, peer: _Peer) -> int:
+        """The smaller of both sides' frame limits (ZMQ cuts the connection over the decode's)."""
+        return min(self._max_frame_bytes, _decode_limit(peer))
 
     def _note_request(self, request_id: str, is_last: bool) -> None:
         """Count one more batch in flight for ``request_id`` (lock held)."""
@@ -598,6 +604,9 @@ class PrefillPublisher:
                                f"({item.layer_name}): {message.reason}")
 
     def _expire_deadlines(self) -> None:
+        """Fail every READY past its deadline, and with it everything else in flight to the
+        same decode: it answers in order, so nothing sent there since can be answered either
+        (a dead decode then costs one deadline, not one per layer in flight)."""
         now = time.monotonic()
         expired: list[_Pending] = []
         with self._lock:
@@ -606,6 +615,9 @@ class PrefillPublisher:
                 item = self._pending.pop((endpoint, seq), None)
                 if item is not None:
                     expired.append(item)
+            late = {item.endpoint: item for item in expired}
+            behind = [self._pending.pop(key) for key in list(self._pending)
+                      if key[0] in late]
         for item in expired:
             error = LayerDeadlineError(
                 f"no READ_DONE/READ_FAILED from {item.endpoint} for layer {item.layer_index} "
@@ -613,6 +625,17 @@ class PrefillPublisher:
                 f"{item.deadline - item.sent_at:g} s; requests {list(item.request_ids)}")
             log.error("prefill %s: %s", self._label, error)
             self._finish(item, error)
+        for item in behind:
+            first = late[item.endpoint]
+            error = LayerDeadlineError(
+                f"{item.endpoint} did not answer layer {first.layer_index} seq {first.seq} "
+                f"within its deadline; layer {item.layer_index} ({item.layer_name}) seq "
+                f"{item.seq}, queued behind it, is failed too; requests "
+                f"{list(item.request_ids)}")
+            self._finish(item, error)
+        if behind:
+            log.error("prefill %s: failed %d more READY(s) queued to %s behind the missed "
+                      "deadline", self._label, len(behind), ", ".join(sorted(late)))
 
     def _finish(self, item: _Pending, error: str | BaseException | None) -> None:
         """Report one READY's outcome to the slot gate and to its requests."""
@@ -668,6 +691,10 @@ def _check_requests(requests: Sequence[ReadyRequest]) -> None:
         if min(request.main_start_block, request.num_blocks, request.indexer_start_block) < 0:
             raise ValueError(f"request {request.request_id!r}: start blocks and block counts "
                              f"must be >= 0")
+
+
+def _decode_limit(peer: _Peer) -> int:
+    return peer.answer.max_frame_bytes if peer.answer is not None else MAX_FRAME_BYTES
 
 
 def _nonblocking_pipe() -> tuple[int, int]:

@@ -140,6 +140,9 @@ class HandshakeAnswer(msgspec.Struct, tag="HANDSHAKE_ANSWER", frozen=True,
     accepted: bool
     reason: Reason = ""
     decode_session_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] = ""
+    max_frame_bytes: Annotated[int, Meta(ge=1, le=MAX_FRAME_BYTES)] = MAX_FRAME_BYTES
+    """The decode's frame limit: ZMQ drops a larger frame by cutting the connection, so the
+    prefill refuses to send one (with an error naming both sizes) instead."""
 
 
 class ReadyRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
