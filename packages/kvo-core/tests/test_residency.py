@@ -252,6 +252,37 @@ def test_reset_row(cls: Any) -> None:
         table.reset_row(2)
 
 
+def test_load_row_restores_a_saved_state_exactly() -> None:
+    original = ReferenceResidency(2, 4)
+    step(original, [[5, 9, 2, -1], [1, 2, 3, 4]], [7, 8], states=[FIRST, FIRST])
+    step(original, [[9, 11, 6, -1], [4, 3, 2, 1]], [7, 8])
+    restored = ReferenceResidency(2, 4)
+    restored.load_row(0, original.slot_tokens[0], original.lru_order[0], 7)
+    restored.load_row(1, original.slot_tokens[1], original.lru_order[1], 8)
+    want, got = (step(table, [[2, 13, 5, 9], [7, 1, -1, -1]], [7, 8])
+                 for table in (original, restored))
+    for field in RESULT_FIELDS:
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert torch.equal(restored.slot_tokens, original.slot_tokens)
+    assert torch.equal(restored.lru_order, original.lru_order)
+    assert torch.equal(restored.row_requests, original.row_requests)
+
+
+@pytest.mark.parametrize(("tokens", "order", "match"), [
+    ([1, 2, 3], [0, 1, 2, 3], r"slot_tokens must be a tensor of shape \[4\]"),
+    ([1, 2, 3, 4], [0, 1, 2, 2], "permutation of the slot ids 0..3"),
+    ([1, 2, 2, -1], [0, 1, 2, 3], "each at most once"),
+    ([1, -5, 2, -1], [0, 1, 2, 3], "tokens >= 0"),
+])
+def test_load_row_refuses_a_state_the_rules_could_not_produce(tokens, order, match) -> None:
+    table = ReferenceResidency(1, 4)
+    with pytest.raises(ResidencyInputError, match=match):
+        table.load_row(0, t64(tokens), t64(order), 0)
+    assert table.slot_tokens.tolist() == [[-1] * 4]  # unchanged
+    with pytest.raises(ResidencyInputError, match="row must be in"):
+        table.load_row(1, t64([-1] * 4), t64([0, 1, 2, 3]), 0)
+
+
 @impl
 def test_non_contiguous_inputs(cls: Any) -> None:
     table = cls(2, 4)

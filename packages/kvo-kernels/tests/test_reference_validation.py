@@ -68,6 +68,8 @@ MANAGE_CASES: list[tuple[str, Mutation, str]] = [
     ("pool entry shared", _set("req_pool_entries", _meta(1, 1)), "already used by request 0"),
     ("pool lru", lambda k: k["cache_slots_pool"][1, 1, :5].fill_(0),
      r"cache_slots_pool\[1, 1, :5\]"),
+    ("pool token held twice", lambda k: k["cache_slots_pool"][1, 0, :2].fill_(3),
+     r"cache_slots_pool entry 1 \(request 0\): slot_tokens .* each at most once"),
     ("pool layout", _set("cache_slots_pool", lambda k: k["cache_slots_pool"][:, 0]),
      "cache_slots_pool must have 3 dimensions"),
     ("block table entry", lambda k: k["index_block_table"].__setitem__((1, 0), 99),

@@ -74,6 +74,35 @@ class ReferenceResidency:
         self._lru[row] = list(range(self._capacity))
         self._requests[row] = NO_REQUEST
 
+    def load_row(self, row: int, slot_tokens: torch.Tensor, lru_order: torch.Tensor,
+                 request: int) -> None:
+        """Set one row's whole state, e.g. from a fused op's pool entry between steps.
+
+        ``slot_tokens`` [C] (-1 = empty, each token at most once), ``lru_order`` [C] (a
+        permutation of the slot ids, least recent first). Checked first: a bad state would
+        make later updates follow it silently.
+        """
+        if not isinstance(row, int) or not 0 <= row < self._rows:
+            raise ResidencyInputError(f"row must be in [0, {self._rows}), got {row!r}")
+        capacity = self._capacity
+        for name, value in (("slot_tokens", slot_tokens), ("lru_order", lru_order)):
+            if not isinstance(value, torch.Tensor) or value.shape != (capacity,):
+                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ResidencyInputError(
+                    f"{name} must be a tensor of shape [{capacity}], got {shape}")
+        tokens = [int(t) for t in slot_tokens.tolist()]
+        order = [int(s) for s in lru_order.tolist()]
+        if sorted(order) != list(range(capacity)):
+            raise ResidencyInputError(
+                f"lru_order must be a permutation of the slot ids 0..{capacity - 1}")
+        held = [t for t in tokens if t != EMPTY]
+        if min(tokens) < EMPTY or len(set(held)) != len(held):
+            raise ResidencyInputError(
+                "slot_tokens must hold tokens >= 0 (or -1 for empty), each at most once")
+        self._slot_tokens[row] = tokens
+        self._lru[row] = order
+        self._requests[row] = int(request)
+
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
                states: torch.Tensor | None = None, *,
                seq_lens: torch.Tensor | None = None) -> ResidencyResult:

@@ -35,8 +35,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvo_core.residency import RequestState
+from kvo_core.residency import RequestState, ResidencyInputError
 from kvo_kernels import cache_pool
+from kvo_kernels.errors import KernelArgumentError
 from kvo_kernels.manage_abi import ManageArgs, ManageLayout, RequestLayout, check_manage_args
 from kvo_kernels.primitive_set import REFERENCE, Primitives
 from kvo_kernels.reference.residency_step import residency_step
@@ -94,8 +95,12 @@ def manage_request(args: ManageArgs, req: RequestLayout, layout: ManageLayout, q
     saved = None
     if req.state == RequestState.STEADY:
         saved = cache_pool.entry_state(args.cache_slots_pool, req.pool_entry, req.capacity)
-    step = residency_step(saved, req.capacity, topk.reshape(-1), req.stable_length, req.state,
-                          max_seq_len=req.key_length)
+    try:
+        step = residency_step(saved, req.capacity, topk.reshape(-1), req.stable_length,
+                              req.state, max_seq_len=req.key_length)
+    except ResidencyInputError as exc:  # e.g. a pool entry no residency step could have left
+        raise KernelArgumentError(
+            f"cache_slots_pool entry {req.pool_entry} (request {req.index}): {exc}") from exc
     count = int(step.result.miss_counts[0])
     miss_tokens = step.result.miss_tokens[0, :count]
     src, dst, row_misses = misses_first(topk, step.result.slots[0].reshape(topk.shape),

@@ -23,20 +23,6 @@ class ResidencyStep:
     lru_order: torch.Tensor        # [capacity] int64
 
 
-def _restore(table: ReferenceResidency, slot_tokens: torch.Tensor,
-             lru_order: torch.Tensor) -> None:
-    """Load one row's saved state into a fresh table (row 0)."""
-    load = getattr(table, "load_row", None)
-    if load is not None:  # the public loader, where kvo-core provides one
-        load(0, slot_tokens, lru_order, _REQUEST)
-        return
-    # kvo-core's ReferenceResidency keeps its state as Python lists; without a public loader
-    # we fill them directly (same representation its reset_row writes).
-    table._slot_tokens[0] = [int(t) for t in slot_tokens.tolist()]
-    table._lru[0] = [int(s) for s in lru_order.tolist()]
-    table._requests[0] = _REQUEST
-
-
 def residency_step(saved: tuple[torch.Tensor, torch.Tensor] | None, capacity: int,
                    selected: torch.Tensor, stable_length: int, state: RequestState,
                    max_seq_len: int) -> ResidencyStep:
@@ -50,7 +36,7 @@ def residency_step(saved: tuple[torch.Tensor, torch.Tensor] | None, capacity: in
     if state == RequestState.STEADY:
         if saved is None:
             raise ValueError("a STEADY step needs the entry's saved state")
-        _restore(table, *saved)
+        table.load_row(0, *saved, _REQUEST)
     result = table.update(
         selected.to(device="cpu", dtype=torch.int64)[None, :],
         request_ids=torch.tensor([_REQUEST]),
