@@ -2,8 +2,8 @@
 
 What prefill waits for per layer when there is nothing to read: publish_layer -> ZMQ -> decode
 validates and answers -> the answer opens the slot gate. Measured both ways the answer can reach
-the waiter: the waiter pumps the publisher itself (the gate has it attached: ``p50_us``), or
-the publisher's I/O thread handles it and wakes the waiter (``io_thread_p50_us``). The
+the waiter (``measure_roundtrip``), next to a bare pyzmq ping-pong between the same two
+processes, so the table says what kvo adds to what ZMQ costs on this host at this moment. The
 decode rank runs in its own process, as in production. Needs a loopback-only network namespace
 (Mooncake engines are started on both sides); ``tools/bench/transport.py`` calls
 ``measure_roundtrip``; run this file directly for the number alone.
@@ -16,11 +16,15 @@ import ctypes
 import json
 import mmap
 import multiprocessing
+import selectors
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import zmq
 
 BLOCK_BYTES = 4096
 NUM_BLOCKS = 4
@@ -28,6 +32,7 @@ NUM_BLOCKS = 4
 
 
 def _decode_main(ready: Any, stop: Any) -> None:
+    """The decode rank: kvo's DecodeReceiver, plus a bare ROUTER thread for the baseline."""
     from kvo_transport.decode_side import DecodeReceiver
     from kvo_transport.engine import create_transfer_engine
     from kvo_transport.read_plan import DecodeLayout, DestinationGroup, DestinationLayer
@@ -39,13 +44,64 @@ def _decode_main(ready: Any, stop: Any) -> None:
     engine.register(ptr, len(memory))
     layout = DecodeLayout([DestinationLayer(
         name="layers.0", main=DestinationGroup((ptr,), (BLOCK_BYTES,), NUM_BLOCKS))])
+    context = zmq.Context()
+    echo = context.socket(zmq.ROUTER)
+    echo.setsockopt(zmq.LINGER, 0)
+    echo_port = echo.bind_to_random_port("tcp://127.0.0.1")
+    thread = threading.Thread(target=_echo, args=(echo, stop), daemon=True)
+    thread.start()
     with DecodeReceiver(engine=engine, layout=layout, resolve=lambda rid: None) as receiver:
-        ready.put(receiver.endpoint)
+        ready.put((receiver.endpoint, f"tcp://127.0.0.1:{echo_port}"))
         stop.wait(600)
+    thread.join(5)
+    echo.close()
+    context.term()
+
+
+def _echo(socket: zmq.Socket[bytes], stop: Any) -> None:
+    """Baseline decode: answer every frame at once, from a Python thread, as kvo's does."""
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    while not stop.is_set():
+        if poller.poll(100):
+            while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                socket.send_multipart(socket.recv_multipart())
+
+
+class _RawPeer:
+    """Baseline prefill: DEALER send, then sleep on the socket's FD until the answer is in."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.socket.getsockopt(zmq.FD), selectors.EVENT_READ)
+        self.frame = b"x" * 64
+
+    def round_trip(self) -> None:
+        self.socket.send(self.frame)
+        while not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.selector.select(10.0)
+        self.socket.recv()
+
+    def close(self) -> None:
+        self.selector.close()
+        self.socket.close()
+        self.context.term()
+
+
+MODES = ("kvo_pump", "kvo_io_thread", "raw_zmq")
 
 
 def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
-    """Time ``n`` empty-layer READY -> DONE round trips; latencies in microseconds."""
+    """Time ``n`` empty-layer READY -> DONE round trips per mode; latencies in microseconds.
+
+    Modes: kvo with the waiter pumping (``kvo_pump``, how kvo's layer pipeline waits), kvo
+    with the I/O thread handing answers over (``kvo_io_thread``), and the bare pyzmq
+    DEALER/ROUTER ping-pong between the same two processes (``raw_zmq``: the floor).
+    """
     from kvo_core.gates import SlotGates
     from kvo_transport.engine import create_transfer_engine
     from kvo_transport.prefill_side import PrefillPublisher
@@ -67,40 +123,50 @@ def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
     publisher = PrefillPublisher.for_engine(
         engine, instance_id="bench", prefill_tp=1, p_rank=0, decode_tp=1, layers=[layer],
         gates=gates, handshake_timeout_s=60.0, layer_deadline_s=10.0)
-    samples: dict[bool, list[float]] = {False: [], True: []}
+    samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+    raw: _RawPeer | None = None
     try:
-        endpoint = ready.get(timeout=120)
+        endpoint, echo_endpoint = ready.get(timeout=120)
         publisher.connect(endpoint)
+        raw = _RawPeer(echo_endpoint)
         key = (ptr,)
-        # Both ways of waiting, alternating in blocks so that load changes hit both alike.
+
+        def kvo_round_trip() -> None:
+            publisher.publish_layer(0, key, {endpoint: []})
+            gates.wait(key, 10.0)
+
+        # The modes alternate in blocks, so that load changes hit all of them alike.
         block = 100
-        for i in range(2 * (warmup + n) // block + 1):
-            pumped = i % 2 == 1
-            gates.attach_pump(publisher if pumped else None)
+        for i in range(len(MODES) * ((warmup + n) // block + 1)):
+            mode = MODES[i % len(MODES)]
+            gates.attach_pump(publisher if mode == "kvo_pump" else None)
+            run = raw.round_trip if mode == "raw_zmq" else kvo_round_trip
             for _ in range(block):
                 started = time.perf_counter()
-                publisher.publish_layer(0, key, {endpoint: []})
-                gates.wait(key, 10.0)
-                samples[pumped].append((time.perf_counter() - started) * 1e6)
+                run()
+                samples[mode].append((time.perf_counter() - started) * 1e6)
     finally:
         gates.attach_pump(None)
         publisher.close()
+        if raw is not None:
+            raw.close()
         stop.set()
         decode.join(30)
         if decode.is_alive():
             decode.kill()
         engine.close()
     result: dict[str, float] = {"n": n, "target_p50_us": 300.0}
-    for pumped, name in ((True, ""), (False, "io_thread_")):
-        result.update(_stats(samples[pumped][warmup // 2:], name))
+    for mode in MODES:
+        result.update(_stats(samples[mode][warmup:], mode))
+    result["kvo_pump_over_raw_p50"] = result["kvo_pump_p50_us"] / result["raw_zmq_p50_us"]
     return result
 
 
-def _stats(samples: list[float], prefix: str) -> dict[str, float]:
+def _stats(samples: list[float], mode: str) -> dict[str, float]:
     samples = sorted(samples)
-    return {f"{prefix}p50_us": statistics.median(samples),
-            f"{prefix}p99_us": samples[min(len(samples) - 1, int(0.99 * len(samples)))],
-            f"{prefix}mean_us": statistics.fmean(samples), f"{prefix}min_us": samples[0]}
+    return {f"{mode}_p50_us": statistics.median(samples),
+            f"{mode}_p99_us": samples[min(len(samples) - 1, int(0.99 * len(samples)))],
+            f"{mode}_min_us": samples[0]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,8 @@ from kvo_transport.read_plan import (
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's enum arithmetic costs microseconds per call
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 log = logging.getLogger("kvo.transport.decode")
 
@@ -285,7 +287,8 @@ class DecodeReceiver:
 
     def _reply(self, identity: bytes, message: HandshakeAnswer | ReadDone | ReadFailed) -> None:
         try:
-            self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+            self._router.send(identity, _SNDMORE_NOBLOCK)
+            self._router.send(encode(message), _NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("decode %s: cannot answer peer %r (%s): %s", self.endpoint,
                         _peer_name(identity), type(message).__name__, exc)

@@ -301,13 +301,15 @@ class PrefillPublisher:
             raise ValueError(f"layer_index {layer_index} is out of range: this rank exposes "
                              f"{len(self.layers)} layers")
         layer = self.layers[layer_index]
-        last = set(last_layer_request_ids)
-        known = {r.request_id for batch in requests_by_endpoint.values() for r in batch}
-        if not last <= known:
-            raise ValueError(f"last_layer_request_ids {sorted(last - known)} are not published "
-                             f"in this layer")
+        last = frozenset(last_layer_request_ids)
+        if last:
+            known = {r.request_id for batch in requests_by_endpoint.values() for r in batch}
+            if not last <= known:
+                raise ValueError(f"last_layer_request_ids {sorted(last - known)} are not "
+                                 f"published in this layer")
         for requests in requests_by_endpoint.values():
-            _check_requests(requests)
+            if requests:
+                _check_requests(requests)
         deadline_s = self.layer_deadline_s if deadline_s is None else deadline_s
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
