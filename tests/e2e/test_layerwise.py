@@ -83,7 +83,9 @@ def _engine(model: Path, **extra: Any) -> Any:
 
 
 def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    if not getattr(llm, "_kvo_stopped", False):  # a test may stop a module's engine early
+        llm.llm_engine.engine_core.shutdown()
+        llm._kvo_stopped = True
 
 
 def _generate(llm: Any, prompts: list[str] = PROMPTS) -> Answers:
@@ -245,6 +247,76 @@ def test_corrupted_loaded_block_changes_the_output(kvo: KvoEngine,
     # The damage stayed on the device: the store still holds the right blocks.
     assert kvo.llm.reset_prefix_cache()
     assert _generate(kvo.llm) == reference.prefix_hit
+
+
+class FailingGets:
+    """Makes the worker's next ``count`` store gets raise, as Mooncake does on LEASE_EXPIRED."""
+
+    def __init__(self, count: int) -> None:
+        from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS
+
+        self.worker = _worker_connector().worker
+        self.left = count * LOAD_ATTEMPTS  # every retry of ``count`` loads fails too
+        self._get = self.worker.store.get_into
+
+    def __enter__(self) -> FailingGets:
+        def get_into(*args: Any) -> Any:
+            if self.left > 0:
+                self.left -= 1
+                raise RuntimeError("injected store failure")
+            return self._get(*args)
+
+        self.worker.store.get_into = get_into
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.store.get_into = self._get
+
+
+def test_failed_load_fails_the_request_never_answers_wrong(kvo: KvoEngine,
+                                                          reference: Reference) -> None:
+    """Default policy ("fail"): a request whose KV did not load ends without tokens."""
+    failed_before = _worker_connector().stats.failed_loads
+    assert kvo.llm.reset_prefix_cache()
+    with FailingGets(1) as failing:
+        answers = _generate(kvo.llm)
+    assert failing.left == 0 and _worker_connector().stats.failed_loads > failed_before
+    assert any(not tokens for tokens, _ in answers)  # some request was failed...
+    for (tokens, _), (want, _) in zip(answers, reference.prefix_hit, strict=True):
+        assert not tokens or tokens == want  # ...and none answered from broken KV
+    assert kvo.llm.reset_prefix_cache()
+    assert _generate(kvo.llm) == reference.prefix_hit  # nothing bad was left in the store
+
+
+def test_failed_load_is_recomputed_to_the_same_answer(engine_env: None, tiny_model: Path,
+                                                      master: Any, kvo: KvoEngine,
+                                                      reference: Reference) -> None:
+    """kv_load_failure_policy="recompute": vLLM recomputes what did not load; same answers."""
+    from vllm.config import KVTransferConfig
+
+    _stop(kvo.llm)  # one engine at a time in this process (vLLM's global connector state)
+    transfer = KVTransferConfig(
+        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"store_master_address": master.address,
+                                   "shared_buffers": SHARED_BUFFERS,
+                                   "independent_layers": [0], "prefetch_depth": 1})
+    llm = _engine(tiny_model, kv_transfer_config=transfer)
+    try:
+        assert _generate(llm) == reference.cold
+        for _ in range(2):
+            assert llm.reset_prefix_cache()
+            with FailingGets(1) as failing:
+                answers = _generate(llm)
+            assert failing.left == 0
+            # Same tokens; the recompute runs in other chunks than either reference, and CPU
+            # matmuls round per chunk (module docstring): logprobs agree to ~1e-5.
+            for (tokens, logprobs), (want, want_logprobs) in zip(
+                    answers, reference.prefix_hit, strict=True):
+                assert tokens == want
+                assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    finally:
+        _stop(llm)
 
 
 def test_refuses_to_run_without_eager_mode(tiny_model: Path, master: Any) -> None:
