@@ -10,8 +10,7 @@ library's reason.
 from __future__ import annotations
 
 import ipaddress
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -19,7 +18,7 @@ import attrs
 from kvo_core.errors import ConfigError
 from kvo_transport.ascend_log import explain, log_tap
 from kvo_transport.errors import TransferError, backend_unavailable
-from kvo_transport.regions import RegionRegistry, TransferBatch
+from kvo_transport.library_engine import LibraryTransferEngine
 
 # kvo protocol name -> memfabric_hybrid.TransDataOpType member.
 MEMFABRIC_PROTOCOLS = {"sdma": "SDMA", "device_rdma": "DEVICE_RDMA", "device_urma": "DEVICE_URMA"}
@@ -112,7 +111,7 @@ class MemFabricOptions:
         return made
 
 
-class MemFabricTransferEngine:
+class MemFabricTransferEngine(LibraryTransferEngine):
     """kvo's TransferEngine over MemFabric Hybrid.
 
     ``module`` is the memfabric_hybrid module; it is imported when not given (tests pass a
@@ -120,15 +119,16 @@ class MemFabricTransferEngine:
     """
 
     backend = "memfabric"
+    _label = "MemFabric"
 
     def __init__(self, module: Any = None, **options: Any) -> None:
         self.options = MemFabricOptions.from_options(options)
         self._mf = module if module is not None else import_memfabric()
         self._tap = log_tap(self._mf)
         o = self.options
-        self._engine: Any = self._mf.TransferEngine()
+        engine = self._mf.TransferEngine()
         mark = self._tap.mark()
-        rc = self._engine.initialize(
+        rc = engine.initialize(
             o.store_url,
             o.hostname,
             o.role,
@@ -139,107 +139,19 @@ class MemFabricTransferEngine:
         )
         if rc != 0:
             reason = explain(self._tap.errors_since(mark))
-            self._engine.destroy()
+            engine.destroy()
             raise TransferError(
                 f"MemFabric TransferEngine.initialize(store_url={o.store_url!r}, "
                 f"role={o.role!r}, device_id={o.device_id}, protocol={o.protocol!r}) failed "
                 f"with return code {rc}: {reason}"
             )
-        self._session_id = f"{o.hostname}:{self._engine.get_rpc_port()}"
-        self._registry = RegionRegistry()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._start(engine, f"{o.hostname}:{engine.get_rpc_port()}")
 
-    @property
-    def protocol(self) -> str:
-        return self.options.protocol
+    def _mark(self) -> int:
+        return int(self._tap.mark())
 
-    @property
-    def session_id(self) -> str:
-        return self._session_id
+    def _reason_since(self, mark: int) -> str:
+        return str(explain(self._tap.errors_since(mark)))
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError(f"MemFabric transfer engine {self._session_id} is closed")
-
-    def register(self, ptr: int, length: int) -> None:
-        self._check_open()
-        with self._lock:
-            region = self._registry.add(ptr, length)
-            mark = self._tap.mark()
-            rc = self._engine.register_memory(region.ptr, region.length)
-            if rc != 0:
-                self._registry.remove(region.ptr)
-                raise TransferError(
-                    f"MemFabric register_memory({region}) failed with return code {rc}: "
-                    f"{explain(self._tap.errors_since(mark))}"
-                )
-
-    def unregister(self, ptr: int) -> None:
-        self._check_open()
-        with self._lock:
-            region = self._registry.remove(ptr)
-            rc = self._engine.unregister_memory(region.ptr)
-        if rc != 0:
-            raise TransferError(
-                f"MemFabric unregister_memory({region}) failed with return code {rc}"
-            )
-
-    def read(
-        self,
-        peer: str,
-        local_addrs: Sequence[int],
-        remote_addrs: Sequence[int],
-        lengths: Sequence[int],
-    ) -> None:
-        self._check_open()
-        batch = self._registry.check_batch(peer, local_addrs, remote_addrs, lengths)
-        mark = self._tap.mark()
-        rc = self._engine.batch_transfer_sync_read(
-            batch.peer, batch.local_addrs, batch.remote_addrs, batch.lengths
-        )
-        if rc != 0:
-            raise self._failed("read from", batch, rc, mark)
-
-    def write(
-        self,
-        peer: str,
-        local_addrs: Sequence[int],
-        remote_addrs: Sequence[int],
-        lengths: Sequence[int],
-    ) -> None:
-        self._check_open()
-        batch = self._registry.check_batch(peer, local_addrs, remote_addrs, lengths)
-        mark = self._tap.mark()
-        rc = self._engine.batch_transfer_sync_write(
-            batch.peer, batch.local_addrs, batch.remote_addrs, batch.lengths
-        )
-        if rc != 0:
-            raise self._failed("write to", batch, rc, mark)
-
-    def _failed(self, direction: str, batch: TransferBatch, rc: int, mark: int) -> TransferError:
-        return TransferError(
-            f"MemFabric ({self.options.protocol}) batch {direction} {batch.describe()} failed "
-            f"with return code {rc}: {explain(self._tap.errors_since(mark))}"
-        )
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for region in self._registry.regions():
-                self._engine.unregister_memory(region.ptr)
-                self._registry.remove(region.ptr)
-            self._engine.destroy()
-            self._engine = None
-
-    def __enter__(self) -> MemFabricTransferEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._registry)} regions"
-        return f"MemFabricTransferEngine({self._session_id}, {self.options.protocol}, {state})"
+    def _release(self, engine: Any) -> None:
+        engine.destroy()
