@@ -28,10 +28,11 @@ import attrs
 
 from kvo_core.errors import ConfigError
 from kvo_transport.ascend_log import explain, log_tap
-from kvo_transport.errors import StoreArgumentError, StoreError, backend_unavailable
+from kvo_transport.buffer_store import BufferStore
+from kvo_transport.errors import StoreError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
 from kvo_transport.mooncake_master import LOOPBACK, accepts, free_loopback_port
-from kvo_transport.regions import RegionRegistry
+from kvo_transport.regions import MemoryRegion
 
 META_SERVICE_LOCK = Path("/tmp/mmc_meta_service.lock")
 MEMCACHE_PROTOCOLS = (
@@ -287,13 +288,14 @@ def build_local_config(memcache: Any, options: MemcacheStoreOptions) -> Any:
     return config
 
 
-class MemcacheKVStore:
+class MemcacheKVStore(BufferStore):
     """kvo's KVStore over Memcache Hybrid's DistributedObjectStore.
 
     ``modules`` is (memcache_hybrid, memfabric_hybrid); imported when not given.
     """
 
     backend = "memcache"
+    _label = "Memcache"
 
     def __init__(self, modules: tuple[Any, Any] | None = None, **options: Any) -> None:
         self.options = MemcacheStoreOptions.from_options(options)
@@ -306,44 +308,23 @@ class MemcacheKVStore:
                     "retry forever); start the MetaService first"
                 )
         claim_process_config(self.options)
-        self._store: Any = self._mc.DistributedObjectStore()
-        rc = self._store.setup(build_local_config(self._mc, self.options))
+        client = self._mc.DistributedObjectStore()
+        rc = client.setup(build_local_config(self._mc, self.options))
         if rc != 0:
             raise StoreError(f"Memcache client setup failed with return code {rc}")
         mark = self._tap.mark()
-        rc = self._store.init(self.options.device_id)
+        rc = client.init(self.options.device_id)
         if rc != 0:
             reason = explain(self._tap.errors_since(mark))
-            self._store.close()
+            client.close()
             raise StoreError(
                 f"Memcache client init on device {self.options.device_id} (meta service "
                 f"{self.options.meta_service_url}) failed with return code {rc}: {reason}"
             )
-        self._registry = RegionRegistry(StoreArgumentError)
-        self._lock = threading.Lock()
-        self._closed = False
+        self._start(client, f"of meta service {self.options.meta_service_url}")
 
-    def _client(self) -> Any:
-        if self._closed:
-            raise StoreError("Memcache store client is closed")
-        return self._store
-
-    def register(self, ptr: int, length: int) -> None:
-        store = self._client()
-        with self._lock:
-            region = self._registry.add(ptr, length)
-            rc = store.register_buffer(region.ptr, region.length)
-            if rc != 0:
-                self._registry.remove(region.ptr)
-                raise StoreError(f"Memcache register_buffer({region}) failed with code {rc}")
-
-    def unregister(self, ptr: int) -> None:
-        store = self._client()
-        with self._lock:
-            region = self._registry.remove(ptr)
-            rc = store.unregister_buffer(region.ptr, region.length)
-        if rc != 0:
-            raise StoreError(f"Memcache unregister_buffer({region}) failed with code {rc}")
+    def _unregister_buffer(self, client: Any, region: MemoryRegion) -> int:
+        return int(client.unregister_buffer(region.ptr, region.length))
 
     def put_from(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
@@ -397,20 +378,3 @@ class MemcacheKVStore:
         still = [k for k, here in zip(checked, self.exists(checked), strict=True) if here]
         if still:
             raise StoreError(f"Memcache remove left keys in place: {still}")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for region in self._registry.regions():
-                self._store.unregister_buffer(region.ptr, region.length)
-                self._registry.remove(region.ptr)
-            self._store.close()
-            self._store = None
-
-    def __enter__(self) -> MemcacheKVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

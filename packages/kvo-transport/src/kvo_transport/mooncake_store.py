@@ -7,7 +7,6 @@ because forcing could pull a value from under a concurrent reader.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,9 +14,9 @@ from typing import Any
 import attrs
 
 from kvo_core.errors import ConfigError
-from kvo_transport.errors import StoreArgumentError, StoreError, backend_unavailable
+from kvo_transport.buffer_store import BufferStore
+from kvo_transport.errors import StoreError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
-from kvo_transport.regions import RegionRegistry
 
 MIN_SEGMENT_BYTES = 16 << 20
 
@@ -98,17 +97,18 @@ class MooncakeStoreOptions:
         return made
 
 
-class MooncakeKVStore:
+class MooncakeKVStore(BufferStore):
     """kvo's KVStore over one Mooncake Store client."""
 
     backend = "mooncake"
+    _label = "Mooncake"
 
     def __init__(self, **options: Any) -> None:
         self.options = MooncakeStoreOptions.from_options(options)
         store_class = import_mooncake_store_class()
-        self._store: Any = store_class()
+        client = store_class()
         o = self.options
-        rc = self._store.setup(
+        rc = client.setup(
             o.hostname,
             o.metadata_server,
             o.global_segment_size,
@@ -122,31 +122,10 @@ class MooncakeKVStore:
                 f"Mooncake Store setup against master {o.master_address} failed with return code "
                 f"{rc} (is mooncake_master running there?)"
             )
-        self._registry = RegionRegistry(StoreArgumentError)
-        self._lock = threading.Lock()
-        self._closed = False
+        self._start(client, f"for master {o.master_address}")
 
-    def _client(self) -> Any:
-        if self._closed:
-            raise StoreError(f"Mooncake store client for {self.options.master_address} is closed")
-        return self._store
-
-    def register(self, ptr: int, length: int) -> None:
-        store = self._client()
-        with self._lock:
-            region = self._registry.add(ptr, length)
-            rc = store.register_buffer(region.ptr, region.length)
-            if rc != 0:
-                self._registry.remove(region.ptr)
-                raise StoreError(f"Mooncake register_buffer({region}) failed: {error_name(rc)}")
-
-    def unregister(self, ptr: int) -> None:
-        store = self._client()
-        with self._lock:
-            region = self._registry.remove(ptr)
-            rc = store.unregister_buffer(region.ptr)
-        if rc != 0:
-            raise StoreError(f"Mooncake unregister_buffer({region}) failed: {error_name(rc)}")
+    def _code(self, rc: int) -> str:
+        return error_name(rc)
 
     def put_from(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
@@ -222,24 +201,3 @@ class MooncakeKVStore:
             pending = leased
             if pending:
                 time.sleep(0.02)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for region in self._registry.regions():
-                self._store.unregister_buffer(region.ptr)
-                self._registry.remove(region.ptr)
-            self._store.close()
-            self._store = None
-
-    def __enter__(self) -> MooncakeKVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._registry)} regions"
-        return f"MooncakeKVStore(master={self.options.master_address}, {state})"
