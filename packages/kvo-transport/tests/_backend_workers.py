@@ -86,3 +86,15 @@ def create_pool_and_exit(conn: Connection, name: str, close: bool) -> None:
     conn.send(str(pool.path))
     if close:
         pool.close()
+
+
+def hold_pool(conn: Connection, name: str, create: bool) -> None:
+    """Create (or attach to) a pool, say its path, and keep it until killed."""
+    import time
+
+    from kvo_transport.host_pool import HostPool
+
+    pool = HostPool.create(name, 1 << 16) if create else HostPool.attach(name)
+    pool.view(torch.uint8, (16,)).fill_(9)
+    conn.send(str(pool.path))
+    time.sleep(600)

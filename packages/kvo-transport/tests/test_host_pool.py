@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _backend_workers import create_pool_and_exit, pattern, worker_context, write_pool
+from _backend_workers import (
+    create_pool_and_exit,
+    hold_pool,
+    pattern,
+    worker_context,
+    write_pool,
+)
 
 from kvo_transport.errors import HostPoolError, TransferArgumentError
 from kvo_transport.host_pool import PAGE_SIZE, HostPool, leaked_segments, shm_path
@@ -148,6 +154,41 @@ def test_segment_does_not_outlive_its_creating_process(close: bool) -> None:
     process.join(60)
     assert process.exitcode == 0
     assert not path.exists()
+
+
+def test_a_killed_creators_segment_is_reclaimed_by_the_next_create(caplog) -> None:
+    name = unique("killed")
+    conn, process = spawn(hold_pool, name, True)
+    assert conn.poll(120)
+    path = Path(conn.recv())
+    process.kill()  # SIGKILL: no close, no atexit, no finalizer
+    process.join(30)
+    assert path.exists()  # leaked, as a crashed run leaves it
+    with caplog.at_level("WARNING", logger="kvo.transport.host_pool"):
+        with HostPool.create(name, PAGE_SIZE) as pool:
+            assert pool.nbytes == PAGE_SIZE
+            assert torch.count_nonzero(pool.view(torch.uint8, (16,))) == 0  # a fresh segment
+    assert "left behind by a run that ended without closing it" in caplog.text
+    assert not path.exists()
+
+
+def test_a_segment_still_in_use_is_not_reclaimed() -> None:
+    name = unique("in-use")
+    conn, creator = spawn(hold_pool, name, True)
+    assert conn.poll(120)
+    path = Path(conn.recv())
+    attach_conn, attacher = spawn(hold_pool, name, False)
+    try:
+        assert attach_conn.poll(120)
+        creator.kill()  # the creator is gone, but a TP rank still maps the pool
+        creator.join(30)
+        with pytest.raises(HostPoolError, match=rf"in use by process\(es\) \[{attacher.pid}\]"):
+            HostPool.create(name, PAGE_SIZE)
+        assert path.exists()
+    finally:
+        attacher.kill()
+        attacher.join(30)
+        path.unlink(missing_ok=True)
 
 
 def test_register_with_an_engine_and_unregister_on_close() -> None:

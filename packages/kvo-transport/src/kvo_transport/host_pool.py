@@ -3,11 +3,16 @@
 TP rank 0 creates the pool under a name; the other TP ranks of the same DP rank attach to it by
 that name, so they all see (and the transfer engine fills) one copy of the main-KV history.
 The segment lives in /dev/shm as ``kvo-hostpool-<name>``. The creator unlinks it on close, when
-the pool object is collected, and at process exit; attachers only unmap.
+the pool object is collected, and at process exit; attachers only unmap. A creator killed
+outright (SIGKILL, OOM) cannot unlink: every user holds a shared flock on the segment, which the
+kernel drops when the process dies, so the next ``create`` of that name removes a segment nobody
+locks, and refuses, naming the holders, one that is still in use.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import math
 import mmap
 import os
@@ -26,6 +31,7 @@ from kvo_transport.errors import HostPoolError
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "kvo-hostpool-"
 PAGE_SIZE = mmap.PAGESIZE
+log = logging.getLogger("kvo.transport.host_pool")
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 
 
@@ -53,20 +59,59 @@ def _map_shared(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _unlink_if_creator(path: Path, creator_pid: int) -> None:
-    # A forked child inherits the object; only the creating process may remove the name.
+def _release(path: Path, creator_pid: int, lock_fd: int) -> None:
+    """Unlink the name (the creator only: a forked child inherits the object), drop the lock."""
     if os.getpid() == creator_pid:
+        path.unlink(missing_ok=True)
+    try:
+        os.close(lock_fd)
+    except OSError:
+        pass
+
+
+def _lock_holders(fd: int) -> list[int]:
+    """PIDs holding a lock on the file behind ``fd`` (from /proc/locks), for error messages."""
+    stat = os.fstat(fd)
+    inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({int(f[4]) for f in map(str.split, lines)
+                   if len(f) > 5 and f[5] == inode and f[4].isdigit()})
+
+
+def _reclaim_if_orphaned(name: str, path: Path) -> None:
+    """A segment of the same name exists: remove it if a crashed run left it, else refuse.
+
+    Every process using a pool holds a shared flock on it for as long as it does, and the kernel
+    drops that lock when the process dies, however it dies: a segment nobody locks is orphaned.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return  # gone meanwhile
+    try:
         try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holders = _lock_holders(fd)
+            raise HostPoolError(
+                f"host pool {name!r} already exists ({path}) and is in use by process(es) "
+                f"{holders or '(unknown)'}; use another name or stop them") from None
+        log.warning("host pool %r: removing %s, left behind by a run that ended without "
+                    "closing it (no process holds it)", name, path)
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 class HostPool:
     """One mapping of a named shared-memory segment; use create() or attach()."""
 
     def __init__(
-        self, name: str, path: Path, mapping: mmap.mmap, nbytes: int, creator: bool
+        self, name: str, path: Path, mapping: mmap.mmap, nbytes: int, creator: bool,
+        lock_fd: int,
     ) -> None:
         self._name = name
         self._path = path
@@ -80,7 +125,7 @@ class HostPool:
         # that reference, so memory is never unmapped under a live view.
         del mapping
         pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _unlink_if_creator, path, pid if creator else -1)
+        self._finalizer = weakref.finalize(self, _release, path, pid if creator else -1, lock_fd)
 
     @classmethod
     def create(cls, name: str, nbytes: int) -> HostPool:
@@ -96,19 +141,17 @@ class HostPool:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            raise HostPoolError(
-                f"host pool {name!r} already exists ({path}); another process owns it or a "
-                "crashed run leaked it (remove the file if no process uses it)"
-            ) from None
+            _reclaim_if_orphaned(name, path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" for as long as this process lives
             os.ftruncate(fd, size)
             mapping = _map_shared(fd, size)
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise HostPoolError(f"cannot create host pool {name!r} of {size} bytes: {exc}") from exc
-        os.close(fd)
-        return cls(name, path, mapping, size, creator=True)
+        return cls(name, path, mapping, size, creator=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, nbytes: int | None = None) -> HostPool:
@@ -121,6 +164,7 @@ class HostPool:
                 f"host pool {name!r} does not exist ({path}); TP rank 0 must create it first"
             ) from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             size = os.fstat(fd).st_size
             if nbytes is not None and round_to_pages(nbytes) != size:
                 raise HostPoolError(
@@ -130,9 +174,10 @@ class HostPool:
             if size == 0:
                 raise HostPoolError(f"host pool {name!r} is empty (its creator did not size it)")
             mapping = _map_shared(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, path, mapping, size, creator=False)
+            raise
+        return cls(name, path, mapping, size, creator=False, lock_fd=fd)
 
     @property
     def name(self) -> str:
