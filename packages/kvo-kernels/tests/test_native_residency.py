@@ -7,7 +7,10 @@ The first test in a session builds the extension (about a minute on two cores; c
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from kvo_core.residency import (
     ResidencyTable,
 )
 from kvo_kernels import native_build
-from kvo_kernels.native_residency import NativeResidencyTable
+from kvo_kernels.native_residency import NO_ENTRY, TOMBSTONE, NativeResidencyTable, pack
 
 NOT_OFFLOADED, FIRST_OFFLOAD, STEADY = (int(s) for s in (
     RequestState.NOT_OFFLOADED, RequestState.FIRST_OFFLOAD, RequestState.STEADY))
@@ -195,6 +198,114 @@ def test_token_positions_beyond_32_bits() -> None:
     assert int(native.slot_tokens.max()) >= 2**39  # no truncation to 32 bits anywhere
 
 
+def _assert_native_invariants(native: NativeResidencyTable, where: str) -> None:
+    """The structure behind the API: the order lists every slot once (lru_order checks that),
+    every entry of the window and of the live deep log carries its slot's current token, the
+    window is padded past its length, and the drop bound covers every resident token."""
+    order = native.lru_order
+    assert sorted(order[0].tolist()) == list(range(native.capacity)), where
+    tokens = native._tokens
+    for r in range(native.rows):
+        max_resident, window_len, head, tail = native._meta[r].tolist()
+        width = native._deep.shape[1]
+        deep = [native._deep[r, p % width].item() for p in range(head, tail)]
+        window = native._window[r].tolist()
+        entries = [e for e in deep if e != TOMBSTONE] + window[:window_len]
+        assert [e & ((1 << 20) - 1) for e in entries] == order[r].tolist(), where
+        for entry in entries:
+            assert entry >> 20 == int(tokens[r, entry & ((1 << 20) - 1)]), where
+        assert all(e == NO_ENTRY for e in window[window_len:]), where
+        assert max_resident >= int(tokens[r].max()), where
+
+
+def test_long_traces_wrap_and_compact_the_deep_log() -> None:
+    """600 steps on tiny rows: the circular deep log wraps many times and is compacted, the
+    window grows and shrinks, rows are reset, drop and change requests; slot for slot equal
+    to the reference at every step, with the structure checked too."""
+    rng = random.Random(11)
+    rows, capacity = 2, 6
+    reference = ReferenceResidency(rows, capacity, max_seq_len=1 << 41)
+    native = NativeResidencyTable(rows, capacity, max_seq_len=1 << 41)
+    tables: list[Table] = [reference, native]
+    requests = [0, 0]
+    far = 1 << 40
+    for i in range(600):
+        width = rng.randint(1, 7)
+        def token() -> int:
+            roll = rng.random()
+            if roll < 0.1:
+                return -1                       # padding
+            if roll < 0.2:
+                return far + rng.randrange(4)   # far positions
+            return rng.randrange(14)
+        topk = [[token() for _ in range(width)] for _ in range(rows)]
+        if rng.random() < 0.05:
+            requests[rng.randrange(rows)] += 1  # a new request takes a row
+        if rng.random() < 0.03:
+            row = rng.randrange(rows)
+            reference.reset_row(row)
+            native.reset_row(row)
+        stable = [far + 8 if rng.random() > 0.15 else rng.randrange(16) for _ in range(rows)]
+        states = [FIRST_OFFLOAD if rng.random() < 0.02 else STEADY for _ in range(rows)]
+        seq_lens = None if rng.random() < 0.7 else _i64([rng.randrange(far + 8)
+                                                          for _ in range(rows)])
+        _step_all(tables, f"step {i}", _i64(topk), _i64(requests), _i64(stable),
+                  _i64(states), seq_lens=seq_lens)
+        _assert_native_invariants(native, f"step {i}")
+
+
+def test_tokens_sharing_a_window_index_cell() -> None:
+    """Tokens 2**32 apart share a cell of the window index (it hashes the low 32 bits): all
+    but one of them are found through the row's slow path, with the same results."""
+    tables: list[Table] = [ReferenceResidency(1, 8, max_seq_len=1 << 40),
+                           NativeResidencyTable(1, 8, max_seq_len=1 << 40)]
+    same_cell = [5 + (i << 32) for i in range(6)]
+    steps = [same_cell[:4], same_cell[1:5], [same_cell[0], same_cell[5], 9, same_cell[2]],
+             same_cell[::-1], [same_cell[3], same_cell[3], 7, same_cell[1]]]
+    for i, topk in enumerate(steps):
+        _step_all(tables, f"step {i}", _i64([topk]), _i64([0]), _i64([1 << 40]))
+        _assert_native_invariants(tables[1], f"step {i}")  # type: ignore[arg-type]
+
+
+def test_misses_beyond_the_deep_log_take_window_slots() -> None:
+    """When the deep log holds fewer evictable slots than there are misses, the walk goes on
+    into the window (its least recent part), skipping the hits there."""
+    tables: list[Table] = [ReferenceResidency(1, 4), NativeResidencyTable(1, 4)]
+    steps = [([[1, 2, 3]], FIRST_OFFLOAD),   # window: 1, 2, 3; deep log: one empty slot
+             ([[4, 5, 2, 6]], STEADY),       # 3 misses: the empty slot, then 1 and 3
+             ([[7, 8, 9, 10]], STEADY),      # everything misses
+             ([[9, 11, 7, 12]], STEADY)]
+    for i, (topk, state) in enumerate(steps):
+        _step_all(tables, f"step {i}", _i64(topk), _i64([0]), _i64([99]), _i64([state]))
+        _assert_native_invariants(tables[1], f"step {i}")  # type: ignore[arg-type]
+
+
+def test_largest_token_positions_and_the_packing_limits() -> None:
+    top = (1 << 43) - 1
+    tables: list[Table] = [ReferenceResidency(1, 4, max_seq_len=1 << 43),
+                           NativeResidencyTable(1, 4, max_seq_len=1 << 43)]
+    for i, topk in enumerate([[top, top - 1, 0], [top, 5, top - 2], [1, top - 1, top]]):
+        _step_all(tables, f"step {i}", _i64([topk]), _i64([0]), _i64([1 << 43]))
+    with pytest.raises(ResidencyInputError, match="max_seq_len must be <= 2\\*\\*43"):
+        NativeResidencyTable(1, 4, max_seq_len=(1 << 43) + 1)
+    with pytest.raises(ResidencyInputError, match="capacity must be <= 1048576"):
+        NativeResidencyTable(1, (1 << 20) + 1)
+
+
+@pytest.mark.skipif(os.environ.get("KVO_RESIDENCY_SCALAR") == "1",
+                    reason="this run is already the portable path")
+def test_the_portable_path_gives_the_same_results() -> None:
+    """The AVX2 loops (where the CPU has AVX2) and the portable ones agree: the trace tests
+    run again in a process that forces the portable loops."""
+    env = {**os.environ, "KVO_RESIDENCY_SCALAR": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "random_traces or long_traces or window_index_cell or decode_like"],
+        env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+
+
 def test_first_offload_not_offloaded_and_request_change_by_hand() -> None:
     native = NativeResidencyTable(2, 4)
     # First offload: distinct tokens in ascending order take slots 0..n-1, all misses.
@@ -289,28 +400,74 @@ def test_constructor_and_reset_row_validate() -> None:
     assert native.slot_tokens[0].tolist() != [-1] * 4
 
 
-def test_corrupt_state_is_refused_not_followed() -> None:
+def _filled_native() -> NativeResidencyTable:
+    """One row of 4 slots after two steps: tokens in the window and in the deep log."""
     native = NativeResidencyTable(1, 4)
     native.update(_i64([[1, 2]]), _i64([0]), _i64([9]))
-    native._lru[0, 1] = 4  # out of [0, C): would index past the row
-    tokens_before = native.slot_tokens
-    with pytest.raises(ResidencyInputError, match=r"lru_order\[0\]"):
-        native.update(_i64([[7, 8]]), _i64([0]), _i64([9]))
-    assert torch.equal(native.slot_tokens, tokens_before)
+    native.update(_i64([[3, 1]]), _i64([0]), _i64([9]))
+    return native
+
+
+def _corrupt_window_slot(native: NativeResidencyTable) -> None:
+    native._window[0, 0] = int(pack(3, 7))  # slot 7 of a 4-slot row: past the row
+
+
+def _corrupt_deep_slot(native: NativeResidencyTable) -> None:
+    head = int(native._meta[0, 2])
+    native._deep[0, head % native._deep.shape[1]] = int(pack(-1, 1 << 19))
+
+
+def _corrupt_window_length(native: NativeResidencyTable) -> None:
+    native._meta[0, 1] = 5  # longer than the row
+
+
+def _corrupt_deep_bounds(native: NativeResidencyTable) -> None:
+    native._meta[0, 3] = int(native._meta[0, 2]) + 100  # a log longer than its array
+
+
+def _lose_the_deep_log(native: NativeResidencyTable) -> None:
+    native._meta[0, 3] = native._meta[0, 2]  # too few slots left to evict
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_window_slot, _corrupt_deep_slot,
+                                     _corrupt_window_length, _corrupt_deep_bounds,
+                                     _lose_the_deep_log])
+def test_corrupt_state_is_refused_not_followed(corrupt: Callable[[NativeResidencyTable], None],
+                                               ) -> None:
+    """A state poked from outside is refused with the row untouched, never followed out of
+    bounds; reading its LRU order names the row too; reset_row makes it usable again."""
+    native = _filled_native()
+    corrupt(native)
+    before = {name: getattr(native, name).clone()
+              for name in ("_tokens", "_window", "_deep", "_meta", "_requests")}
+    with pytest.raises(ResidencyInputError, match=r"state of row 0 is corrupt"):
+        native.update(_i64([[7, 8, 9, 10]]), _i64([0]), _i64([99]))
+    for name, value in before.items():
+        assert torch.equal(getattr(native, name), value), name
+    with pytest.raises(ResidencyInputError, match=r"LRU order of row 0"):
+        _ = native.lru_order
+    native.reset_row(0)
+    reference = ReferenceResidency(1, 4)
+    _step_all([reference, native], "after reset", _i64([[7, 8, 9, 10]]), _i64([0]), _i64([99]))
 
 
 def test_the_op_checks_its_own_arguments() -> None:
     native = NativeResidencyTable(1, 4)
     op = torch.ops.kvo.residency_update
-    state = (native._tokens, native._lru, native._requests)
+    state = (native._tokens, native._window, native._deep, native._meta, native._requests)
     with pytest.raises(ValueError, match="topk must be int64"):
         op(*state, torch.zeros(1, 2, dtype=torch.int32), _i64([0]), _i64([1]), _i64([STEADY]),
            None, 16)
-    with pytest.raises(ValueError, match="lru_order shape"):
-        op(native._tokens, native._lru[:, :2].contiguous(), native._requests, _i64([[1]]),
+    with pytest.raises(ValueError, match="lru_window must have a power-of-two width"):
+        op(native._tokens, native._window[:, :3].contiguous(), *state[2:], _i64([[1]]),
+           _i64([0]), _i64([1]), _i64([STEADY]), None, 16)
+    with pytest.raises(ValueError, match="row_meta must have shape"):
+        op(*state[:3], native._meta[:, :2].contiguous(), native._requests, _i64([[1]]),
            _i64([0]), _i64([1]), _i64([STEADY]), None, 16)
     with pytest.raises(ValueError, match="stable_lens has 2 rows"):
         op(*state, _i64([[1]]), _i64([0]), _i64([1, 1]), _i64([STEADY]), None, 16)
+    with pytest.raises(ValueError, match="max_seq_len must be in"):
+        op(*state, _i64([[1]]), _i64([0]), _i64([1]), _i64([STEADY]), None, 1 << 44)
 
 
 def test_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

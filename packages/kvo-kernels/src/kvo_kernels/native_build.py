@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -26,12 +27,12 @@ from kvo_core.errors import KvoError
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION_PREFIX = "kvo_native_ops"
 SOURCES = ("residency.cpp",)
-HEADERS = ("residency_rows.h",)
+HEADERS = ("residency_rows.h", "lru_log.h", "residency_scan.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
-_loaded = False
+_module: ModuleType | None = None
 
 
 class NativeBuildError(KvoError, RuntimeError):
@@ -65,41 +66,51 @@ def _compiler() -> str:
     return compiler
 
 
-def compile_and_load(name: str, sources: Sequence[Path], directory: Path) -> None:
+def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
+                     python_module: bool = False) -> ModuleType | None:
     """Compile ``sources`` into the library ``name`` under ``directory`` and load it.
 
-    Loading runs the library's ``TORCH_LIBRARY`` registrations. Raises NativeBuildError with
-    the compiler's output when the compiler is missing or the build fails.
+    Loading runs the library's ``TORCH_LIBRARY`` registrations; with ``python_module`` the
+    library is also imported as a Python module (its ``PYBIND11_MODULE``), and returned.
+    Raises NativeBuildError with the compiler's output when the compiler is missing or the
+    build fails.
     """
     _compiler()
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(source) for source in sources],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
-            is_python_module=False,
+            is_python_module=python_module,
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as error:
         raise NativeBuildError(
             f"building kvo's native ops ({', '.join(Path(s).name for s in sources)}) in "
             f"{directory} failed; compiler output:\n{error}") from error
+    return module if python_module else None
 
 
-def load_native_ops() -> None:
-    """Compile (once) and load the native ops, registering ``torch.ops.kvo.residency_update``."""
-    global _loaded
-    if _loaded:
-        return
+def load_native_ops() -> ModuleType:
+    """Compile (once) and load the native ops, registering ``torch.ops.kvo.residency_update``.
+
+    Returns the library as a Python module too: its ``residency_update`` is the same C++
+    function without the dispatcher in front (~5 us less per call here, a tenth of a
+    one-row update).
+    """
+    global _module
     with _lock:
-        if not _loaded:
+        if _module is None:
             name = extension_name()
-            compile_and_load(name, [CSRC / source for source in SOURCES],
-                             build_directory() / name)
-            _loaded = True
+            _module = compile_and_load(name, [CSRC / source for source in SOURCES],
+                                       build_directory() / name, python_module=True)
+        module = _module
+    if module is None:  # compile_and_load returns the module when asked to
+        raise NativeBuildError("kvo's native ops built but did not load as a module")
+    return module

@@ -2,11 +2,16 @@
 
 The non-fused decode path updates residency on the host CPU once per layer and step, so the
 update has to cost microseconds, not a Python loop over rows: ``torch.ops.kvo.residency_update``
-(``csrc/residency.cpp``) does one row per OpenMP task in O(K + C). The API and the results are
-those of ``kvo_core.residency.ResidencyTable`` and ``ReferenceResidency``, slot for slot.
+(``csrc/residency.cpp``) does one row per OpenMP task. Each row keeps its LRU order between
+steps as a deep log plus a window (what the last step selected), with every slot's token in
+the entries, so a steady step does O(K) random work in per-thread tables and reads the row's
+own arrays front to back (``csrc/residency_rows.h``). The API and the results are those of
+``kvo_core.residency.ResidencyTable`` and ``ReferenceResidency``, slot for slot.
 
-Input values (stable lengths, states, positions against ``max_seq_len``) are checked inside
-the op, before any state changes, to keep the per-call Python overhead to attribute checks.
+Every argument and value is checked inside the op, before any state changes, so a valid call
+costs no Python checks at all; when the op refuses a call, the Python checks run to name the
+bad argument in kvo-core's words. The table calls the op's C++ function through its Python
+binding, without the dispatcher (the same function ``torch.ops.kvo.residency_update`` runs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from kvo_kernels.native_build import load_native_ops
 _I64 = torch.int64
 _CPU = torch.device("cpu")
 _OVERFLOW_PREFIX = "residency overflow: "
+SLOT_BITS = 20
+MAX_CAPACITY = 1 << SLOT_BITS
+"""The largest capacity the op takes (an entry packs its slot in 20 bits)."""
+MAX_SEQ_LEN = 1 << (63 - SLOT_BITS)
+"""The largest max_seq_len the op takes (an entry packs its token in the other 43)."""
+TOMBSTONE = NO_ENTRY = -(1 << 63)
+"""A hole in the deep log, and a window entry past the window's end: no entry equals it."""
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -50,24 +62,46 @@ def _row_tensor(name: str, value: object, ndim: int, rows: int) -> torch.Tensor:
         raise ResidencyInputError(
             f"{name} must be on cpu (the native residency op runs on the host), "
             f"got {value.device}")
-    return value.contiguous()
+    return value
 
 
 class NativeResidencyTable:
-    """R decode rows x C hot-buffer slots with LRU replacement, updated by the native op."""
+    """R decode rows x C hot-buffer slots with LRU replacement, updated by the native op.
+
+    Per row the state is (``csrc/lru_log.h``): ``_tokens`` [R, C] int64, the token of each
+    slot (-1 empty); the LRU order as ``_deep`` [R, L] (the older slots, oldest first, a
+    circular log) followed by ``_window`` [R, W] (the slots the last step filled or hit),
+    entries ``token << 20 | slot`` (W, L: the power of two >= C); ``_meta`` [R, 4] (an upper
+    bound on the resident tokens, the window length, the deep log's head and tail
+    positions); ``_requests`` [R]. 8 * (C + W + L) + 40 bytes per row: 6 MiB for R=32,
+    C=8192.
+    """
 
     def __init__(self, rows: int, capacity: int, *, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                  device: torch.device | str = "cpu") -> None:
         self._rows = _positive_int("rows", rows)
         self._capacity = _positive_int("capacity", capacity)
         self._max_seq_len = _positive_int("max_seq_len", max_seq_len)
+        if capacity > MAX_CAPACITY:
+            raise ResidencyInputError(
+                f"capacity must be <= {MAX_CAPACITY} (slots are packed in 20 bits), "
+                f"got {capacity}")
+        if max_seq_len > MAX_SEQ_LEN:
+            raise ResidencyInputError(
+                f"max_seq_len must be <= 2**43 (tokens are packed with their slot in one "
+                f"int64), got {max_seq_len}")
         if torch.device(device) != _CPU:
             raise ResidencyInputError(
                 f"device must be cpu (the native residency op runs on the host), got {device!r}")
-        load_native_ops()
-        self._op = torch.ops.kvo.residency_update
+        self._op = load_native_ops().residency_update
+        width = 1 << (capacity - 1).bit_length()  # W = L: the power of two >= C
+        self._fresh_deep = torch.full((width,), TOMBSTONE, dtype=_I64)
+        self._fresh_deep[:capacity] = pack(-1, torch.arange(capacity, dtype=_I64))
+        self._fresh_meta = torch.tensor([EMPTY, 0, 0, capacity], dtype=_I64)
         self._tokens = torch.full((rows, capacity), EMPTY, dtype=_I64)
-        self._lru = torch.arange(capacity, dtype=_I64).repeat(rows, 1)
+        self._window = torch.full((rows, width), NO_ENTRY, dtype=_I64)
+        self._deep = self._fresh_deep.repeat(rows, 1)
+        self._meta = self._fresh_meta.repeat(rows, 1)
         self._requests = torch.full((rows,), NO_REQUEST, dtype=_I64)
         self._steady = torch.full((rows,), int(RequestState.STEADY), dtype=_I64)
 
@@ -90,8 +124,13 @@ class NativeResidencyTable:
 
     @property
     def lru_order(self) -> torch.Tensor:
-        """[R, C] int64 (a copy): slot ids, least recently used first."""
-        return self._lru.clone()
+        """[R, C] int64 (new): slot ids, least recently used first (read out in O(C))."""
+        try:
+            order: torch.Tensor = torch.ops.kvo.residency_lru_order.default(
+                self._tokens, self._window, self._deep, self._meta)
+        except ValueError as error:
+            raise ResidencyInputError(_first_line(error)) from error
+        return order
 
     @property
     def row_requests(self) -> torch.Tensor:
@@ -103,7 +142,9 @@ class NativeResidencyTable:
         if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self._rows:
             raise ResidencyInputError(f"row must be in [0, {self._rows}), got {row!r}")
         self._tokens[row] = EMPTY
-        self._lru[row] = torch.arange(self._capacity, dtype=_I64)
+        self._window[row] = NO_ENTRY
+        self._deep[row] = self._fresh_deep
+        self._meta[row] = self._fresh_meta
         self._requests[row] = NO_REQUEST
 
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
@@ -114,32 +155,45 @@ class NativeResidencyTable:
         ``topk`` [R, K] token positions (negative, or at/after ``seq_lens[r]`` when given, are
         padding; a repeat counts once); ``request_ids`` [R]; ``stable_lens`` [R] (resident
         tokens at or after it are dropped first); ``states`` [R] ``RequestState`` codes,
-        default STEADY. Raises ResidencyInputError / ResidencyOverflowError with the table
-        unchanged.
+        default STEADY. All int64 CPU tensors. Raises ResidencyInputError /
+        ResidencyOverflowError with the table unchanged.
         """
-        rows = self._rows
-        topk = _row_tensor("topk", topk, 2, rows)
-        if topk.shape[1] < 1:
-            raise ResidencyInputError(
-                f"topk must have at least one column, got {list(topk.shape)}")
-        request_ids = _row_tensor("request_ids", request_ids, 1, rows)
-        stable_lens = _row_tensor("stable_lens", stable_lens, 1, rows)
-        states = self._steady if states is None else _row_tensor("states", states, 1, rows)
-        if seq_lens is not None:
-            seq_lens = _row_tensor("seq_lens", seq_lens, 1, rows)
+        if states is None:
+            states = self._steady
         try:
             slots, miss_counts, miss_tokens, miss_slots = self._op(
-                self._tokens, self._lru, self._requests, topk, request_ids, stable_lens,
-                states, seq_lens, self._max_seq_len)
-        except ValueError as error:
-            raise ResidencyInputError(_first_line(error)) from error
-        except RuntimeError as error:
+                self._tokens, self._window, self._deep, self._meta, self._requests, topk,
+                request_ids, stable_lens, states, seq_lens, self._max_seq_len)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
             message = _first_line(error)
-            if message.startswith(_OVERFLOW_PREFIX):
+            if isinstance(error, RuntimeError) and message.startswith(_OVERFLOW_PREFIX):
                 raise ResidencyOverflowError(message[len(_OVERFLOW_PREFIX):]) from error
+            # Name the bad argument the way kvo-core does, where a Python check can see it.
+            self._check_arguments(topk, request_ids, stable_lens, states, seq_lens)
+            if isinstance(error, ValueError):
+                raise ResidencyInputError(message) from error
             raise
         return ResidencyResult(slots=slots, miss_counts=miss_counts,
                                miss_tokens=miss_tokens, miss_slots=miss_slots)
+
+    def _check_arguments(self, topk: object, request_ids: object, stable_lens: object,
+                         states: object, seq_lens: object) -> None:
+        """Type, dtype, shape and device of every argument (values: the op's own messages)."""
+        rows = self._rows
+        checked = _row_tensor("topk", topk, 2, rows)
+        if checked.shape[1] < 1:
+            raise ResidencyInputError(
+                f"topk must have at least one column, got {list(checked.shape)}")
+        _row_tensor("request_ids", request_ids, 1, rows)
+        _row_tensor("stable_lens", stable_lens, 1, rows)
+        _row_tensor("states", states, 1, rows)
+        if seq_lens is not None:
+            _row_tensor("seq_lens", seq_lens, 1, rows)
+
+
+def pack(token: int | torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
+    """``token << 20 | slot``: how the LRU order's entries carry a slot and its token."""
+    return (torch.as_tensor(token, dtype=_I64) << SLOT_BITS) | torch.as_tensor(slot, dtype=_I64)
 
 
 def _first_line(error: BaseException) -> str:

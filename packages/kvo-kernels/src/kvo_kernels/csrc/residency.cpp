@@ -1,10 +1,13 @@
-// torch.ops.kvo.residency_update (CPU): one decode step of one layer for R residency rows.
+// torch.ops.kvo.residency_update (CPU): one decode step of one layer for R residency rows,
+// and torch.ops.kvo.residency_lru_order, which reads the rows' LRU order out of their state.
 //
 // Checks every argument and value first (nothing changes on an error), then runs the rows of
-// residency_rows.h in parallel over OpenMP threads; the state tensors are updated in place.
+// residency_rows.h, inline for one row or one thread (no OpenMP region to start) and over
+// OpenMP threads for more; the state tensors are updated in place.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -12,7 +15,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -23,19 +25,41 @@
 namespace kvo_residency {
 namespace {
 
-void check_index_tensor(const at::Tensor& t, const char* name, int64_t dims) {
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                  int64_t dims) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "residency_update: ", name,
                     " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, "residency_update: ", name,
-                    " must be int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, "residency_update: ", name, " must be ",
+                    dtype == at::kLong ? "int64" : "int32", ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == dims, "residency_update: ", name, " must have ", dims,
                     " dimensions, got shape ", t.sizes());
+}
+
+// A state tensor: owned by the table, used in place, so it must already be contiguous.
+void check_state(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  check_tensor(t, name, at::kLong, static_cast<int64_t>(shape.size()));
+  TORCH_CHECK_VALUE(t.sizes() == shape, "residency_update: ", name, " must have shape ", shape,
+                    ", got ", t.sizes());
   TORCH_CHECK_VALUE(t.is_contiguous(), "residency_update: ", name, " must be contiguous");
 }
 
-void check_rows(const at::Tensor& t, const char* name, int64_t rows) {
+// The width of a row's window or deep log: a power of two >= C.
+int64_t check_log_width(const at::Tensor& t, const char* name, int64_t rows, int64_t capacity) {
+  check_tensor(t, name, at::kLong, 2);
+  const int64_t width = t.size(1);
+  TORCH_CHECK_VALUE(width >= capacity && (width & (width - 1)) == 0, "residency_update: ", name,
+                    " must have a power-of-two width >= the capacity ", capacity, ", got shape ",
+                    t.sizes());
+  check_state(t, name, {rows, width});
+  return width;
+}
+
+// An input tensor with one entry (or one row) per residency row; made contiguous if needed.
+at::Tensor input_rows(const at::Tensor& t, const char* name, int64_t dims, int64_t rows) {
+  check_tensor(t, name, at::kLong, dims);
   TORCH_CHECK_VALUE(t.size(0) == rows, "residency_update: ", name, " has ", t.size(0),
                     " rows but the table has ", rows);
+  return t.contiguous();
 }
 
 // First failing value of one row (checked before anything changes), or an empty string.
@@ -52,9 +76,9 @@ std::string check_row_values(int64_t r, int64_t state, int64_t stable_len, int64
     return "states[" + std::to_string(r) + "] is " + std::to_string(state) +
            "; allowed: -3 (NOT_OFFLOADED), -2 (FIRST_OFFLOAD), -1 (STEADY)";
   }
-  // A branch-free scan first (it vectorises); the position only when something is wrong.
-  bool beyond = false;
-  for (int64_t k = 0; k < width; ++k) beyond |= (topk[k] >= max_seq_len) & (topk[k] < limit);
+  // A scan for any bad entry first (it runs on every row of every call); the position
+  // only when something is wrong.
+  const bool beyond = any_in_range(topk, width, max_seq_len, limit);
   for (int64_t k = 0; beyond && k < width; ++k) {
     const int64_t token = topk[k];
     if (token >= max_seq_len && token < limit) {
@@ -67,59 +91,63 @@ std::string check_row_values(int64_t r, int64_t state, int64_t stable_len, int64
   return {};
 }
 
+// Runs body(r) for every row: inline for one row or one thread (no OpenMP region to start),
+// else over `threads` threads. Rows are handed out one at a time (dynamic): on a shared
+// machine a thread may be descheduled for milliseconds, and the others take over its rows.
+template <typename Body>
+void for_each_row(int64_t rows, int threads, const Body& body) {
+  if (threads <= 1) {
+    for (int64_t r = 0; r < rows; ++r) body(r);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t r = 0; r < rows; ++r) body(r);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
-    at::Tensor slot_tokens, at::Tensor lru_order, at::Tensor row_requests,
-    const at::Tensor& topk, const at::Tensor& request_ids, const at::Tensor& stable_lens,
-    const at::Tensor& states, const std::optional<at::Tensor>& seq_lens, int64_t max_seq_len) {
-  check_index_tensor(slot_tokens, "slot_tokens", 2);
-  check_index_tensor(lru_order, "lru_order", 2);
-  check_index_tensor(row_requests, "row_requests", 1);
-  check_index_tensor(topk, "topk", 2);
-  check_index_tensor(request_ids, "request_ids", 1);
-  check_index_tensor(stable_lens, "stable_lens", 1);
-  check_index_tensor(states, "states", 1);
+    at::Tensor slot_tokens, at::Tensor lru_window, at::Tensor lru_deep, at::Tensor row_meta,
+    at::Tensor row_requests, const at::Tensor& topk_in, const at::Tensor& request_ids_in,
+    const at::Tensor& stable_lens_in, const at::Tensor& states_in,
+    const std::optional<at::Tensor>& seq_lens_in, int64_t max_seq_len) {
+  check_tensor(slot_tokens, "slot_tokens", at::kLong, 2);
   const int64_t rows = slot_tokens.size(0);
   const int64_t capacity = slot_tokens.size(1);
-  const int64_t width = topk.size(1);
-  TORCH_CHECK_VALUE(capacity >= 1, "residency_update: slot_tokens must have capacity >= 1, "
-                    "got shape ", slot_tokens.sizes());
-  TORCH_CHECK_VALUE(lru_order.sizes() == slot_tokens.sizes(), "residency_update: lru_order "
-                    "shape ", lru_order.sizes(), " must equal slot_tokens shape ",
+  TORCH_CHECK_VALUE(capacity >= 1 && capacity <= kMaxCapacity, "residency_update: "
+                    "slot_tokens must have a capacity in [1, ", kMaxCapacity, "], got shape ",
                     slot_tokens.sizes());
+  check_state(slot_tokens, "slot_tokens", {rows, capacity});
+  const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
+  const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
+  check_state(row_meta, "row_meta", {rows, kMetaFields});
+  check_state(row_requests, "row_requests", {rows});
+  const at::Tensor topk = input_rows(topk_in, "topk", 2, rows);
+  const at::Tensor request_ids = input_rows(request_ids_in, "request_ids", 1, rows);
+  const at::Tensor stable_lens = input_rows(stable_lens_in, "stable_lens", 1, rows);
+  const at::Tensor states = input_rows(states_in, "states", 1, rows);
+  const int64_t width = topk.size(1);
   TORCH_CHECK_VALUE(width >= 1, "residency_update: topk must have at least one column, got "
                     "shape ", topk.sizes());
-  TORCH_CHECK_VALUE(width <= (int64_t{1} << 40), "residency_update: topk width ", width,
-                    " is too large");
-  TORCH_CHECK_VALUE(max_seq_len >= 1, "residency_update: max_seq_len must be >= 1, got ",
-                    max_seq_len);
-  check_rows(row_requests, "row_requests", rows);
-  check_rows(topk, "topk", rows);
-  check_rows(request_ids, "request_ids", rows);
-  check_rows(stable_lens, "stable_lens", rows);
-  check_rows(states, "states", rows);
+  TORCH_CHECK_VALUE(width <= (int64_t{1} << 30), "residency_update: topk width ", width,
+                    " is too large (at most 2**30)");
+  // A token and its slot share one int64 (lru_log.h): tokens must stay below 2**43.
+  TORCH_CHECK_VALUE(max_seq_len >= 1 && max_seq_len <= kTokenLimit, "residency_update: "
+                    "max_seq_len must be in [1, 2**", 63 - kSlotBits, "], got ", max_seq_len);
+  at::Tensor seq_lens;
   const int64_t* limits = nullptr;
-  if (seq_lens.has_value()) {
-    check_index_tensor(*seq_lens, "seq_lens", 1);
-    check_rows(*seq_lens, "seq_lens", rows);
-    limits = seq_lens->data_ptr<int64_t>();
+  if (seq_lens_in.has_value()) {
+    seq_lens = input_rows(*seq_lens_in, "seq_lens", 1, rows);
+    limits = seq_lens.data_ptr<int64_t>();
   }
 
-  at::Tensor slots = at::empty({rows, width}, topk.options());
-  at::Tensor miss_counts = at::empty({rows}, topk.options());
-  at::Tensor miss_tokens = at::empty({rows, width}, topk.options());
-  at::Tensor miss_slots = at::empty({rows, width}, topk.options());
-
-  int64_t* st = slot_tokens.data_ptr<int64_t>();
-  int64_t* lru = lru_order.data_ptr<int64_t>();
+  int64_t* tokens = slot_tokens.data_ptr<int64_t>();
+  int64_t* windows = lru_window.data_ptr<int64_t>();
+  int64_t* deeps = lru_deep.data_ptr<int64_t>();
+  int64_t* metas = row_meta.data_ptr<int64_t>();
   int64_t* req = row_requests.data_ptr<int64_t>();
   const int64_t* tk = topk.data_ptr<int64_t>();
   const int64_t* rid = request_ids.data_ptr<int64_t>();
   const int64_t* stable_ptr = stable_lens.data_ptr<int64_t>();
   const int64_t* state_ptr = states.data_ptr<int64_t>();
-  int64_t* out_slots = slots.data_ptr<int64_t>();
-  int64_t* out_counts = miss_counts.data_ptr<int64_t>();
-  int64_t* out_tokens = miss_tokens.data_ptr<int64_t>();
-  int64_t* out_miss_slots = miss_slots.data_ptr<int64_t>();
 
   // Phase 1, nothing changes yet: the values of every row (a cheap serial scan: a second
   // parallel region costs more than it saves), then, only when the width exceeds the capacity
@@ -132,35 +160,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
   }
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
-  std::vector<int64_t> overflow(static_cast<size_t>(rows), -1);
   if (width > capacity) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-    for (int64_t r = 0; r < rows; ++r) {
-      if (state_ptr[r] == kNotOffloaded) continue;
+    std::vector<int64_t> overflow(static_cast<size_t>(rows), -1);
+    for_each_row(rows, threads, [&](int64_t r) {
+      if (state_ptr[r] == kNotOffloaded) return;
       Scratch& scratch = thread_scratch();
-      scratch.prepare(width, capacity);
-      const int64_t count = scratch.collect(tk + r * width, width, limits ? limits[r] : kNoLimit);
-      scratch.clear(count);
+      scratch.prepare(width, capacity, window_size, deep_size);
+      const int64_t count =
+          scratch.count_distinct(tk + r * width, width, limits ? limits[r] : kNoLimit);
       if (count > capacity) overflow[r] = count;
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      // kvo_core.residency.inputs.overflow_message, word for word.
+      TORCH_CHECK(overflow[r] < 0, "residency overflow: row ", r, " selects ", overflow[r],
+                  " distinct tokens but the hot buffer has only ", capacity,
+                  " slots; capacity must be >= the distinct top-k tokens of a row");
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    // kvo_core.residency.inputs.overflow_message, word for word.
-    TORCH_CHECK(overflow[r] < 0, "residency overflow: row ", r, " selects ", overflow[r],
-                " distinct tokens but the hot buffer has only ", capacity,
-                " slots; capacity must be >= the distinct top-k tokens of a row");
-  }
 
-  // Phase 2: the update, rows in parallel. Rows are handed out one at a time (dynamic): on a
-  // shared machine a thread may be descheduled for milliseconds, and the others then take
-  // over its rows instead of waiting for a fixed share to finish.
+  at::Tensor slots = at::empty({rows, width}, topk.options());
+  at::Tensor miss_counts = at::empty({rows}, topk.options());
+  at::Tensor miss_tokens = at::empty({rows, width}, topk.options());
+  at::Tensor miss_slots = at::empty({rows, width}, topk.options());
+  int64_t* out_slots = slots.data_ptr<int64_t>();
+  int64_t* out_counts = miss_counts.data_ptr<int64_t>();
+  int64_t* out_tokens = miss_tokens.data_ptr<int64_t>();
+  int64_t* out_miss_slots = miss_slots.data_ptr<int64_t>();
+
+  // Phase 2: the update, one row per task. 64-bit offsets: R * C may exceed 2**31.
   std::vector<int8_t> status(static_cast<size_t>(rows), kOk);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row_offset = r * capacity;  // 64-bit offsets: R * C may exceed 2**31
+  for_each_row(rows, threads, [&](int64_t r) {
     const int64_t out_offset = r * width;
-    int64_t* row_tokens = st + row_offset;
-    int64_t* row_lru = lru + row_offset;
     const int64_t* row_topk = tk + out_offset;
     const int64_t limit = limits ? limits[r] : kNoLimit;
     const RowOut out{out_slots + out_offset, out_counts + r, out_tokens + out_offset,
@@ -168,32 +198,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
     const int64_t state = state_ptr[r];
     if (state == kNotOffloaded) {
       identity_row(row_topk, width, limit, out);
-      continue;
+      return;
     }
+    RowState row{tokens + r * capacity,
+                 LruLog{windows + r * window_size, deeps + r * deep_size, metas + r * kMetaFields,
+                        capacity, window_size, deep_size},
+                 capacity};
     Scratch& scratch = thread_scratch();
-    scratch.prepare(width, capacity);
-    const int64_t count = scratch.collect(row_topk, width, limit);
+    scratch.prepare(width, capacity, window_size, deep_size);
     if (state == kFirstOffload) {
-      first_offload_row(scratch, count, row_tokens, row_lru, capacity, width, out);
+      first_offload_row(scratch, row, row_topk, width, limit, out);
       req[r] = rid[r];
-    } else {
-      if (req[r] != rid[r]) {
-        reset_row(row_tokens, row_lru, capacity);
-      }
-      status[r] = steady_row(scratch, count, row_tokens, row_lru, capacity, stable_ptr[r],
-                             width, out);
-      // A corrupt row keeps its state; its outputs are not returned (the call raises).
-      if (status[r] == kOk) req[r] = rid[r];
+      return;
     }
-    scratch.clear(count);
-  }
+    if (req[r] != rid[r]) reset_row_state(row);
+    status[r] = steady_row(scratch, row, row_topk, width, limit, stable_ptr[r], out);
+    // A corrupt row keeps its state; its outputs are not returned (the call raises).
+    if (status[r] == kOk) req[r] = rid[r];
+  });
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK_VALUE(status[r] == kOk, "residency_update: the state of row ", r,
-                      " is corrupt (lru_order[", r, "] holds a slot outside [0, ", capacity,
-                      "), or slot_tokens[", r, "] holds a token twice); it was left as it "
-                      "was, reset it");
+                      " is corrupt: its LRU order (lru_window, lru_deep, row_meta) does not list "
+                      "every slot of [0, ", capacity, ") once; the row was left as it was, "
+                      "reset it");
   }
   return {slots, miss_counts, miss_tokens, miss_slots};
+}
+
+// [R, C] int64: each row's slots, least recently used first (the deep log, then the window).
+at::Tensor residency_lru_order_cpu(const at::Tensor& slot_tokens, const at::Tensor& lru_window,
+                                   const at::Tensor& lru_deep, const at::Tensor& row_meta) {
+  check_tensor(slot_tokens, "slot_tokens", at::kLong, 2);
+  const int64_t rows = slot_tokens.size(0);
+  const int64_t capacity = slot_tokens.size(1);
+  TORCH_CHECK_VALUE(capacity >= 1 && capacity <= kMaxCapacity, "residency_lru_order: "
+                    "slot_tokens must have a capacity in [1, ", kMaxCapacity, "], got shape ",
+                    slot_tokens.sizes());
+  const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
+  const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
+  check_state(row_meta, "row_meta", {rows, kMetaFields});
+  at::Tensor order = at::empty({rows, capacity}, slot_tokens.options());
+  int64_t* out = order.data_ptr<int64_t>();
+  std::vector<uint8_t> seen(static_cast<size_t>(capacity));
+  for (int64_t r = 0; r < rows; ++r) {
+    LruLog lru{lru_window.data_ptr<int64_t>() + r * window_size,
+               lru_deep.data_ptr<int64_t>() + r * deep_size,
+               row_meta.data_ptr<int64_t>() + r * kMetaFields, capacity, window_size, deep_size};
+    const int64_t head = lru.head();
+    const int64_t tail = lru.tail();
+    const int64_t window_len = lru.window_len();
+    bool ok = head >= 0 && head <= tail && tail - head <= deep_size && window_len >= 0 &&
+              window_len <= capacity;
+    std::fill(seen.begin(), seen.end(), uint8_t{0});
+    int64_t count = 0;
+    const auto visit = [&](int64_t entry) {
+      const int64_t slot = packed_slot(entry);
+      if (entry == kTombstone) return;
+      if (slot >= capacity || seen[slot] || count >= capacity) {
+        ok = false;
+        return;
+      }
+      seen[slot] = 1;
+      out[r * capacity + count++] = slot;
+    };
+    for (int64_t p = head; ok && p < tail; ++p) visit(lru.deep_at(p));
+    for (int64_t i = 0; ok && i < window_len; ++i) {
+      if (lru.window[i] < 0) ok = false;
+      else visit(lru.window[i]);
+    }
+    TORCH_CHECK_VALUE(ok && count == capacity, "residency_lru_order: the LRU order of row ", r,
+                      " does not list every slot of [0, ", capacity, ") once; reset the row");
+  }
+  return order;
 }
 
 }  // namespace
@@ -202,11 +278,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
 // A fragment: the Python side of kvo-kernels may define other ops in the kvo namespace.
 TORCH_LIBRARY_FRAGMENT(kvo, m) {
   m.def(
-      "residency_update(Tensor(a!) slot_tokens, Tensor(b!) lru_order, Tensor(c!) row_requests, "
-      "Tensor topk, Tensor request_ids, Tensor stable_lens, Tensor states, Tensor? seq_lens, "
-      "int max_seq_len) -> (Tensor, Tensor, Tensor, Tensor)");
+      "residency_update(Tensor(a!) slot_tokens, Tensor(b!) lru_window, Tensor(c!) lru_deep, "
+      "Tensor(d!) row_meta, Tensor(e!) row_requests, Tensor topk, Tensor request_ids, "
+      "Tensor stable_lens, Tensor states, Tensor? seq_lens, int max_seq_len) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "residency_lru_order(Tensor slot_tokens, Tensor lru_window, Tensor lru_deep, "
+      "Tensor row_meta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvo, CPU, m) {
   m.impl("residency_update", &kvo_residency::residency_update_cpu);
+  m.impl("residency_lru_order", &kvo_residency::residency_lru_order_cpu);
+}
+
+// The same function as a plain Python binding: NativeResidencyTable calls it this way, which
+// skips the dispatcher's boxing of eleven arguments (~5 us a call here). The GIL is released
+// while it runs (it touches no Python object); errors translate to the same Python exceptions
+// (ValueError for TORCH_CHECK_VALUE, RuntimeError otherwise).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("residency_update", &kvo_residency::residency_update_cpu,
+        "torch.ops.kvo.residency_update without the dispatcher",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,10 +1,28 @@
 // The residency rules of DESIGN.md section 6 for one row, in plain C++ (no torch): the
 // algorithm behind torch.ops.kvo.residency_update (residency.cpp holds the op around it).
 //
-// Per row the work is O(K + C): the selected tokens go into a small open-addressing hash (4x
-// the selection, power of two) fronted by a 1-bit filter, then the slot table and the LRU order
-// are each walked once. Nothing is sized by token ids, so a 128K (or 2**40) token position
-// costs the same as a small one. Offsets and ids are 64-bit.
+// A row keeps its slot tokens and its LRU order as [deep log..., window...] (lru_log.h),
+// where the window is what the last step selected. A steady step:
+// 1. indexes the window in a per-thread table and looks every selected token up there: a
+//    decode step re-selects most of the last one, so most hits are found with two loads and
+//    no branch (residency_scan.h);
+// 2. collects the other selected tokens (misses, and hits deeper in the order) in a small
+//    per-thread hash with a bit filter in front;
+// 3. reads the window once to split it into hits and unused entries, and the deep log once
+//    (a filter test per entry, AVX2 where the CPU has it) to find the deep hits and, from
+//    its head, the misses' victims;
+// 4. rewrites the window and appends the unused part of the old one to the deep log.
+// Every random access lands in per-thread tables that stay in cache from row to row; the
+// row's own arrays are read front to back, which is what a cold table (each layer's, when its
+// turn comes) costs least for. So the work is O(K) random accesses plus one streamed pass
+// over the deep log (O(C), a few cycles an entry). The O(K)-only design, a per-row token
+// index next to a linked or logged LRU order, was built first and measured slower here: it
+// pays ~1000 cold random reads and writes a row-step (look-ups, insertions, deletions), and
+// such a read costs the host CPU far more than streaming the whole deep log (see the report
+// of issue 4). Other O(C) work happens only on a reset (new request, first offload), on a
+// speculative drop, and when the deep log is compacted (rare). Everything followed in the
+// state is checked before anything changes: a corrupt row is reported and left as it was,
+// never followed out of bounds. Offsets and ids are 64-bit.
 
 #pragma once
 
@@ -14,20 +32,27 @@
 #include <memory>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "lru_log.h"
+#include "residency_scan.h"
+
 namespace kvo_residency {
 
 constexpr int64_t kNotOffloaded = -3;
 constexpr int64_t kFirstOffload = -2;
 constexpr int64_t kSteady = -1;
-
-constexpr int64_t kEmptyKey = std::numeric_limits<int64_t>::min();
-constexpr uint8_t kHit = 1;
+constexpr int64_t kEmpty = -1;
 
 // Per-row outcome, reported after the parallel region (exceptions must not cross OpenMP).
-enum RowStatus : int8_t { kOk = 0, kBadLruOrder = 1 };
+enum RowStatus : int8_t { kOk = 0, kCorruptOrder = 1 };
 
 // Where a row's valid top-k entries end: position >= limit is padding (seq_lens), like < 0.
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
+
+constexpr uint64_t kHashMultiplier = 0x9E3779B97F4A7C15ULL;  // Fibonacci hashing
 
 inline uint64_t next_pow2(uint64_t v) {
   uint64_t p = 16;
@@ -35,108 +60,156 @@ inline uint64_t next_pow2(uint64_t v) {
   return p;
 }
 
-// Reusable per-thread buffers: sized once for the largest K and C seen, then only refilled.
-// The selected tokens live in an open-addressing hash (linear probing, 4x the width, power of
-// two: short probe chains, few branch misses); everything known about a selected token is
-// kept by its cell, so a probe touches only the key array.
+// One row of the table's state (pointers into the op's tensors).
+struct RowState {
+  int64_t* tokens;  // [C] the token each slot holds, kEmpty when none
+  LruLog lru;
+  int64_t capacity;
+
+  int64_t& max_resident() { return lru.meta[kMetaMaxResident]; }
+};
+
+struct RowOut {
+  int64_t* slots;
+  int64_t* miss_count;
+  int64_t* miss_tokens;
+  int64_t* miss_slots;
+};
+
+// A deep log entry met by the scan, with its log position.
+struct Met {
+  int64_t position;
+  int64_t entry;
+};
+
+// Reusable per-thread buffers, sized once for the largest K and C seen, then only refilled;
+// all the random accesses of a step land here.
 struct Scratch {
-  std::vector<int64_t> keys;            // per cell: token, or kEmptyKey
-  std::vector<int64_t> cell_slot;       // per cell: the token's slot, -1 while a miss; one
-                                        // extra cell (the "padding cell") stays -1 forever
-  std::vector<int64_t> distinct_cells;  // cells of the distinct tokens, first-occurrence order
-  std::vector<int64_t> position_cell;   // per top-k position: its token's cell, or padding cell
-  std::vector<uint64_t> filter;         // 1 bit per (token & filter_mask): cheap "not selected"
-  std::vector<uint8_t> slot_flags;      // per slot: kHit
-  std::vector<int64_t> candidates;      // slots whose token passed the filter
-  std::vector<int64_t> evictable;       // slots not holding a selected token, LRU order
-  std::vector<int64_t> hit_slots;       // slots holding a selected token, LRU order
+  // The distinct selected tokens the window did not answer: open addressing (>= 2x the
+  // width, a power of two), emptied in O(distinct), with a bit filter (16 bits per token)
+  // that lets the log scans skip nearly every entry without probing.
+  std::vector<int64_t> keys;            // per cell: token, or kFreeCell
+  std::vector<int64_t> cell_slot;       // per cell: its token's slot, -1 while unknown
+  std::vector<int64_t> distinct_cells;  // first-occurrence order
+  std::vector<uint64_t> filter;
+  // The window's index: hash(token) -> window position. Only a hint: a position is used
+  // only when the window entry there holds the token.
+  std::vector<int32_t> window_index;
+  std::vector<int64_t> filtered;        // deep log indices the filter let through
+  std::vector<int64_t> slow;            // positions the window did not answer
+  std::vector<int64_t> slow_cells;      // their tokens' cells
+  std::vector<uint8_t> is_slow;         // per position
+  std::vector<uint8_t> window_hit;      // per window position
+  std::vector<int64_t> window_hits;     // window entries holding a hit, window order
+  std::vector<int64_t> unused;          // the other window entries, window order
+  std::vector<Met> deep_hits;           // deep log entries holding a hit, log order
+  std::vector<Met> candidates;          // deep log entries that are not hits, from the head
+  std::vector<int64_t> victims;         // slots the misses take, LRU order
+  std::vector<int64_t> next_window;     // the new window, built before it replaces the old
+  std::vector<int64_t> miss_cells;      // the misses' cells, first-occurrence order
   std::vector<int64_t> sorted_tokens;   // first offload: distinct tokens ascending
+  int64_t num_distinct = 0;
   uint64_t hash_mask = 0;
   int hash_shift = 0;
-  int64_t padding_cell = 0;
   uint64_t filter_mask = 0;
+  int window_index_shift = 0;
 
-  void prepare(int64_t width, int64_t capacity) {
-    const uint64_t size = next_pow2(static_cast<uint64_t>(4 * width));
+  static constexpr int64_t kFreeCell = -1;
+
+  void prepare(int64_t width, int64_t capacity, int64_t window_size, int64_t deep_size) {
+    const uint64_t size = next_pow2(static_cast<uint64_t>(2 * width));
     if (keys.size() != size) {
-      keys.assign(size, kEmptyKey);
-      cell_slot.assign(size + 1, -1);
+      keys.assign(size, kFreeCell);
+      cell_slot.assign(size, kEmpty);
       hash_mask = size - 1;
       hash_shift = 64 - __builtin_ctzll(size);
-      padding_cell = static_cast<int64_t>(size);
-    }
-    const uint64_t filter_bits =
-        std::max<uint64_t>(64, next_pow2(static_cast<uint64_t>(16 * width)));
-    if (filter.size() * 64 != filter_bits) {
+      const uint64_t filter_bits =
+          next_pow2(static_cast<uint64_t>(std::max<int64_t>(64, 16 * width)));
       filter.assign(filter_bits / 64, 0);
       filter_mask = filter_bits - 1;
     }
-    if (static_cast<int64_t>(distinct_cells.size()) < width) {
+    if (static_cast<int64_t>(slow.size()) < width) {
+      slow.resize(width);
+      slow_cells.resize(width);
+      is_slow.resize(width);
       distinct_cells.resize(width);
-      position_cell.resize(width);
+      miss_cells.resize(width);
       sorted_tokens.resize(width);
     }
-    if (static_cast<int64_t>(slot_flags.size()) < capacity) {
-      slot_flags.resize(capacity);
+    const uint64_t window_index_size = next_pow2(static_cast<uint64_t>(2 * capacity));
+    if (window_index.size() < window_index_size) {
+      window_index.assign(window_index_size, 0);
+      window_index_shift = 32 - __builtin_ctzll(window_index_size);
+    }
+    if (static_cast<int64_t>(filtered.size()) < deep_size) filtered.resize(deep_size);
+    if (static_cast<int64_t>(window_hit.size()) < window_size) window_hit.resize(window_size, 0);
+    if (static_cast<int64_t>(window_hits.size()) < capacity) {
+      window_hits.resize(capacity);
+      unused.resize(capacity);
+      deep_hits.resize(capacity);
       candidates.resize(capacity);
-      evictable.resize(capacity);
-      hit_slots.resize(capacity);
+      victims.resize(capacity);
+      next_window.resize(capacity);
     }
   }
 
-  uint64_t cell_of(int64_t token) const {
-    return (static_cast<uint64_t>(token) * 0x9E3779B97F4A7C15ULL) >> hash_shift;
+  uint64_t home(int64_t token) const {
+    return (static_cast<uint64_t>(token) * kHashMultiplier) >> hash_shift;
+  }
+  bool maybe_selected(int64_t token) const {
+    const uint64_t bit = static_cast<uint64_t>(token) & filter_mask;
+    return (filter[bit >> 6] >> (bit & 63)) & 1;
   }
 
-  // The token's cell, or -1 when it is not selected.
-  int64_t find(int64_t token) const {
-    uint64_t cell = cell_of(token);
+  // Adds a token (once); returns its cell. The table never fills: at most `width` tokens in
+  // >= 2 * width cells.
+  int64_t add(int64_t token) {
+    uint64_t cell = home(token);
     while (true) {
       const int64_t key = keys[cell];
       if (key == token) return static_cast<int64_t>(cell);
-      if (key == kEmptyKey) return -1;
+      if (key == kFreeCell) {
+        keys[cell] = token;
+        cell_slot[cell] = kEmpty;
+        distinct_cells[num_distinct++] = static_cast<int64_t>(cell);
+        const uint64_t bit = static_cast<uint64_t>(token) & filter_mask;
+        filter[bit >> 6] |= uint64_t{1} << (bit & 63);
+        return static_cast<int64_t>(cell);
+      }
       cell = (cell + 1) & hash_mask;
     }
   }
 
-  // Collects the distinct valid tokens of one top-k row; returns how many. Entries < 0 or
-  // >= limit are padding.
-  int64_t collect(const int64_t* topk, int64_t width, int64_t limit) {
-    int64_t count = 0;
-    int64_t* keys_ = keys.data();
-    for (int64_t k = 0; k < width; ++k) {
-      const int64_t token = topk[k];
-      if (token < 0 || token >= limit) {
-        position_cell[k] = padding_cell;
-        continue;
-      }
-      uint64_t cell = cell_of(token);
-      while (true) {
-        const int64_t key = keys_[cell];
-        if (key == token) break;
-        if (key == kEmptyKey) {
-          keys_[cell] = token;
-          cell_slot[cell] = -1;
-          distinct_cells[count++] = static_cast<int64_t>(cell);
-          const uint64_t bit = static_cast<uint64_t>(token) & filter_mask;
-          filter[bit >> 6] |= uint64_t{1} << (bit & 63);
-          break;
-        }
-        cell = (cell + 1) & hash_mask;
-      }
-      position_cell[k] = static_cast<int64_t>(cell);
+  // The token's cell, or -1 when it was not added.
+  int64_t find(int64_t token) const {
+    uint64_t cell = home(token);
+    while (true) {
+      const int64_t key = keys[cell];
+      if (key == token) return static_cast<int64_t>(cell);
+      if (key == kFreeCell) return -1;
+      cell = (cell + 1) & hash_mask;
     }
-    return count;
   }
 
   // Leaves the hash and the filter empty again: O(distinct), not O(table).
-  void clear(int64_t count) {
-    for (int64_t i = 0; i < count; ++i) {
+  void clear_tokens() {
+    for (int64_t i = 0; i < num_distinct; ++i) {
       const int64_t cell = distinct_cells[i];
       const uint64_t bit = static_cast<uint64_t>(keys[cell]) & filter_mask;
       filter[bit >> 6] = 0;  // every bit in the filter came from one of these tokens
-      keys[cell] = kEmptyKey;
+      keys[cell] = kFreeCell;
     }
+    num_distinct = 0;
+  }
+
+  // How many distinct valid tokens a top-k row holds (entries < 0 or >= limit are padding).
+  int64_t count_distinct(const int64_t* topk, int64_t width, int64_t limit) {
+    for (int64_t k = 0; k < width; ++k) {
+      if (topk[k] >= 0 && topk[k] < limit) add(topk[k]);
+    }
+    const int64_t count = num_distinct;
+    clear_tokens();
+    return count;
   }
 };
 
@@ -148,140 +221,344 @@ inline Scratch& thread_scratch() {
   return *scratch;
 }
 
-struct RowOut {
-  int64_t* slots;
-  int64_t* miss_count;
-  int64_t* miss_tokens;
-  int64_t* miss_slots;
-};
-
-inline void reset_row(int64_t* slot_tokens, int64_t* lru, int64_t capacity) {
-  std::fill(slot_tokens, slot_tokens + capacity, int64_t{-1});
-  for (int64_t i = 0; i < capacity; ++i) lru[i] = i;
+// Fills [begin, end) with -1. Most of a miss list is padding, written once and read, if at
+// all, much later: past the first cache line it goes out with streaming stores, which skip
+// reading the fresh output lines into the cache first (a third of the step's memory traffic
+// at R=32 otherwise).
+inline void fill_padding(int64_t* begin, int64_t* end) {
+#if defined(__SSE2__)
+  while (begin < end && (reinterpret_cast<uintptr_t>(begin) & 63) != 0) *begin++ = kEmpty;
+  const __m128i minus_one = _mm_set1_epi64x(-1);
+  for (; begin + 8 <= end; begin += 8) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin), minus_one);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 2), minus_one);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 4), minus_one);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 6), minus_one);
+  }
+  _mm_sfence();
+#endif
+  std::fill(begin, end, kEmpty);
 }
 
-inline void write_outputs(const Scratch& s, int64_t width, int64_t misses,
-                          const RowOut& out) {
-  const int64_t* cell_slot = s.cell_slot.data();
-  const int64_t* position_cell = s.position_cell.data();
-  for (int64_t k = 0; k < width; ++k) out.slots[k] = cell_slot[position_cell[k]];
+inline void pad_miss_lists(int64_t width, int64_t misses, const RowOut& out) {
   *out.miss_count = misses;
-  std::fill(out.miss_tokens + misses, out.miss_tokens + width, int64_t{-1});
-  std::fill(out.miss_slots + misses, out.miss_slots + width, int64_t{-1});
+  fill_padding(out.miss_tokens + misses, out.miss_tokens + width);
+  fill_padding(out.miss_slots + misses, out.miss_slots + width);
+}
+
+// All slots empty, LRU order 0..C-1.
+inline void reset_row_state(RowState& row) {
+  std::fill(row.tokens, row.tokens + row.capacity, kEmpty);
+  row.lru.reset_rotated(0);
+  row.max_resident() = -1;
 }
 
 // Identity mapping: the row is not offloaded, every selected position is its own slot.
 inline void identity_row(const int64_t* topk, int64_t width, int64_t limit,
                          const RowOut& out) {
+  const auto limit_u = static_cast<uint64_t>(limit);  // negative tokens: huge, padding
   for (int64_t k = 0; k < width; ++k) {
     const int64_t token = topk[k];
-    out.slots[k] = (token < 0 || token >= limit) ? -1 : token;
+    out.slots[k] = token | static_cast<int64_t>(
+                               static_cast<uint64_t>(static_cast<uint64_t>(token) < limit_u) - 1);
   }
-  *out.miss_count = 0;
-  std::fill(out.miss_tokens, out.miss_tokens + width, int64_t{-1});
-  std::fill(out.miss_slots, out.miss_slots + width, int64_t{-1});
+  pad_miss_lists(width, 0, out);
 }
 
 // First offload: reset, then the distinct tokens in ascending order fill slots 0..n-1 (the
 // same as a steady update after a reset, with the misses taken in ascending token order).
-inline void first_offload_row(Scratch& s, int64_t count, int64_t* slot_tokens, int64_t* lru,
-                              int64_t capacity, int64_t width, const RowOut& out) {
+// The caller checked that n <= C. O(C + K log K): first offloads are rare.
+inline void first_offload_row(Scratch& s, RowState& row, const int64_t* topk, int64_t width,
+                              int64_t limit, const RowOut& out) {
+  int64_t* cells = s.slow_cells.data();  // per position: its token's cell, -1 for padding
+  for (int64_t k = 0; k < width; ++k) {
+    const int64_t token = topk[k];
+    cells[k] = (token < 0 || token >= limit) ? -1 : s.add(token);
+  }
+  const int64_t count = s.num_distinct;
   for (int64_t i = 0; i < count; ++i) s.sorted_tokens[i] = s.keys[s.distinct_cells[i]];
   std::sort(s.sorted_tokens.begin(), s.sorted_tokens.begin() + count);
-  reset_row(slot_tokens, lru, capacity);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t token = s.sorted_tokens[i];
-    s.cell_slot[s.find(token)] = i;
-    slot_tokens[i] = token;
-    out.miss_tokens[i] = token;
-    out.miss_slots[i] = i;
+  std::fill(row.tokens, row.tokens + row.capacity, kEmpty);
+  row.lru.reset_rotated(count);  // the unused slots count..C-1, then the filled ones
+  for (int64_t slot = 0; slot < count; ++slot) {
+    const int64_t token = s.sorted_tokens[slot];
+    row.tokens[slot] = token;
+    row.lru.window[slot] = pack(token, slot);
+    s.cell_slot[s.find(token)] = slot;
+    out.miss_tokens[slot] = token;
+    out.miss_slots[slot] = slot;
   }
-  // New LRU: the unused slots count..C-1, then the filled ones in miss order.
-  for (int64_t i = 0; i < capacity - count; ++i) lru[i] = count + i;
-  for (int64_t i = 0; i < count; ++i) lru[capacity - count + i] = i;
-  write_outputs(s, width, count, out);
+  row.max_resident() = count > 0 ? s.sorted_tokens[count - 1] : -1;
+  for (int64_t k = 0; k < width; ++k) {
+    out.slots[k] = cells[k] < 0 ? kEmpty : s.cell_slot[cells[k]];
+  }
+  pad_miss_lists(width, count, out);
+  s.clear_tokens();
 }
 
-// Steady update: hits keep their slot, misses take the evictable slots in LRU order.
-// Reads and checks everything first; returns kBadLruOrder (row untouched) on a corrupt state.
-// `count` distinct tokens were collected into `s` (at most the capacity: checked before).
-inline RowStatus steady_row(Scratch& s, int64_t count, int64_t* slot_tokens, int64_t* lru,
-                            int64_t capacity, int64_t stable_len, int64_t width,
-                            const RowOut& out) {
-  // Walk the slots for hits. Tokens at or past the stable length count as dropped already.
-  // A branch-free filter pass first; exact hash look-ups only for the slots that pass it.
-  uint8_t* flags = s.slot_flags.data();
-  int64_t* candidates = s.candidates.data();
-  std::fill(flags, flags + capacity, uint8_t{0});
-  int64_t dropped = 0;
-  int64_t num_candidates = 0;
-  const uint64_t* filter = s.filter.data();
-  const uint64_t filter_mask = s.filter_mask;
-  for (int64_t slot = 0; slot < capacity; ++slot) {
-    const int64_t token = slot_tokens[slot];
-    dropped += token >= stable_len;
-    const uint64_t live = static_cast<uint64_t>(token) < static_cast<uint64_t>(stable_len);
-    const uint64_t bit = static_cast<uint64_t>(token) & filter_mask;
-    candidates[num_candidates] = slot;
-    num_candidates += live & (filter[bit >> 6] >> (bit & 63)) & 1;
+// Forgets the resident tokens at or beyond the stable length (a speculative suffix that may
+// have been overwritten in the host pool): slot tokens and the order's entries both say -1;
+// the slots stay where they are in the order. O(C), and only run when max_resident says some
+// token may be that far. `unused` (window entries about to move to the deep log) is updated
+// too. The caller checked every entry's slot.
+inline void drop_speculative(RowState& row, int64_t stable_len, int64_t* unused,
+                             int64_t num_unused) {
+  int64_t largest = -1;
+  for (int64_t slot = 0; slot < row.capacity; ++slot) {
+    const int64_t token = row.tokens[slot];
+    if (token >= stable_len) row.tokens[slot] = kEmpty;
+    else largest = std::max(largest, token);
   }
-  int64_t distinct_hits = 0;
-  for (int64_t i = 0; i < num_candidates; ++i) {
-    const int64_t slot = candidates[i];
-    const int64_t cell = s.find(slot_tokens[slot]);
-    if (cell >= 0) {
-      distinct_hits += s.cell_slot[cell] < 0;
-      s.cell_slot[cell] = slot;
-      flags[slot] = kHit;
-    }
+  row.max_resident() = largest;
+  const auto forget = [stable_len](int64_t entry) {
+    return packed_token(entry) >= stable_len ? pack(-1, packed_slot(entry)) : entry;
+  };
+  LruLog& lru = row.lru;
+  for (int64_t p = lru.head(); p < lru.tail(); ++p) {
+    int64_t& entry = lru.deep_at(p);
+    if (entry != kTombstone) entry = forget(entry);
   }
-  // Walk the LRU order (least recent first). Every entry is bounds-checked; that it is a
-  // permutation is the op's own invariant (checking it exactly would cost a random
-  // read-modify-write per slot), and a repeated slot cannot make anything go out of bounds.
-  int64_t* evictable = s.evictable.data();
-  int64_t* hit_slots = s.hit_slots.data();
-  int64_t num_evictable = 0;
-  int64_t num_hits = 0;
-  uint64_t bad = 0;
-  for (int64_t i = 0; i < capacity; ++i) {
-    int64_t slot = lru[i];
-    const uint64_t outside = static_cast<uint64_t>(slot) >= static_cast<uint64_t>(capacity);
-    slot = outside ? 0 : slot;
-    bad |= outside;
-    const int64_t hit = flags[slot] & kHit;
-    evictable[num_evictable] = slot;
-    hit_slots[num_hits] = slot;
-    num_evictable += 1 - hit;
-    num_hits += hit;
-  }
-  // A corrupt state (a slot outside [0, C), or a token held twice so that too few slots are
-  // evictable) leaves the row as it was.
-  if (bad || num_evictable < count - distinct_hits) return kBadLruOrder;
+  for (int64_t i = 0; i < num_unused; ++i) unused[i] = forget(unused[i]);
+}
 
-  // Everything is checked: change the row.
-  if (dropped > 0) {
-    for (int64_t slot = 0; slot < capacity; ++slot) {
-      if (slot_tokens[slot] >= stable_len) slot_tokens[slot] = -1;
+// Steady update: hits keep their slot, misses take the evictable slots in LRU order; the new
+// LRU order is [evictable left unused..., just filled (miss order)..., hits (old order)...].
+// Reads and checks everything it will follow first; on a corrupt state it returns the
+// problem with the row untouched. The caller checked that the distinct tokens fit in C.
+inline RowStatus steady_row(Scratch& s, RowState& row, const int64_t* __restrict topk,
+                            int64_t width, int64_t limit, int64_t stable_len,
+                            const RowOut& out) {
+  const int64_t capacity = row.capacity;
+  LruLog& lru = row.lru;
+  const int64_t window_len = lru.window_len();
+  const int64_t head = lru.head();
+  const int64_t tail = lru.tail();
+  if (window_len < 0 || window_len > capacity || head < 0 || head > tail ||
+      tail - head > lru.deep_size) {
+    return kCorruptOrder;
+  }
+  int64_t* __restrict window = lru.window;
+  int32_t* __restrict window_index = s.window_index.data();
+  uint8_t* __restrict window_hit = s.window_hit.data();
+  int64_t* __restrict out_slots = out.slots;
+  const int window_index_shift = s.window_index_shift;
+
+  // 1. Index the window (reading it front to back) and check that its entries name slots.
+  uint64_t bad = 0;
+  for (int64_t i = 0; i < window_len; ++i) {
+    const int64_t entry = window[i];
+    bad |= (static_cast<uint64_t>(entry) >> 63) |
+           static_cast<uint64_t>(packed_slot(entry) >= capacity);
+    window_index[window_cell(packed_token(entry), window_index_shift)] = static_cast<int32_t>(i);
+  }
+
+  // 2. Every position: a valid token the window holds is a hit (unless it is at or past the
+  //    stable length: about to be dropped); the other valid ones are slow.
+  uint8_t* __restrict is_slow = s.is_slow.data();
+  const WindowLookup lookup{window_index, window_index_shift, window,
+                            static_cast<uint64_t>(lru.window_size - 1),
+                            std::min({limit, stable_len, kTokenLimit}), limit};
+  look_up_window(lookup, topk, width, out_slots, window_hit, is_slow);
+  int64_t* __restrict slow = s.slow.data();
+  int64_t num_slow = 0;
+  for (int64_t k = 0; k < width; ++k) {
+    slow[num_slow] = k;
+    num_slow += is_slow[k];
+  }
+
+  // 3. The slow tokens, each once, into the scratch hash and its filter.
+  int64_t* __restrict slow_cells = s.slow_cells.data();
+  for (int64_t j = 0; j < num_slow; ++j) slow_cells[j] = s.add(topk[slow[j]]);
+  int64_t* __restrict cell_slot = s.cell_slot.data();
+
+  // 4. One pass over the window: entries step 2 hit, and entries holding a slow token (the
+  //    window index lost them to a collision), are hits; the rest is unused.
+  int64_t* __restrict window_hits = s.window_hits.data();
+  int64_t* __restrict unused = s.unused.data();
+  int64_t num_window_hits = 0;
+  int64_t num_unused = 0;
+  int64_t window_found = 0;  // slow tokens found in the window
+  const uint64_t* __restrict filter = s.filter.data();
+  const uint64_t filter_mask = s.filter_mask;
+  const auto stable_u = static_cast<uint64_t>(stable_len);
+  for (int64_t i = 0; i < window_len; ++i) {
+    const int64_t entry = window[i];
+    uint64_t hit = window_hit[i];
+    const auto token = static_cast<uint64_t>(packed_token(entry));
+    const uint64_t bit = token & filter_mask;
+    if (((hit ^ 1) & static_cast<uint64_t>(token < stable_u) & (filter[bit >> 6] >> (bit & 63))) !=
+        0) {
+      const int64_t cell = s.find(static_cast<int64_t>(token));  // rare: a collision's loser
+      if (cell >= 0) {
+        cell_slot[cell] = packed_slot(entry);
+        hit = 1;
+        window_hit[i] = 1;
+        ++window_found;
+      }
+    }
+    window_hits[num_window_hits] = entry;
+    unused[num_unused] = entry;
+    num_window_hits += static_cast<int64_t>(hit);
+    num_unused += static_cast<int64_t>(hit ^ 1);
+  }
+
+  // 5. One pass over the deep log: entries holding a slow token are hits; the others, from
+  //    the head, are the candidate victims (no more are needed than there are slow tokens
+  //    left). The filter settles nearly every entry without a branch or a probe.
+  Met* __restrict deep_hits = s.deep_hits.data();
+  Met* __restrict candidates = s.candidates.data();
+  int64_t num_deep_hits = 0;
+  int64_t num_candidates = 0;
+  const int64_t max_candidates = s.num_distinct - window_found;
+  const int64_t* __restrict deep = lru.deep;
+  const auto deep_mask = static_cast<uint64_t>(lru.deep_size - 1);
+  // A deep hit: its slot is the token's; a false positive of the filter: not a hit.
+  const auto deep_hit = [&](int64_t position, int64_t entry) {
+    const int64_t cell = s.find(packed_token(entry));
+    if (cell < 0) return false;
+    cell_slot[cell] = packed_slot(entry);
+    deep_hits[num_deep_hits++] = {position, entry};
+    return true;
+  };
+  // Tombstones and empty slots carry negative tokens: as unsigned, never below stable_u.
+  const auto maybe_hit = [&](int64_t entry) {
+    const auto token = static_cast<uint64_t>(packed_token(entry));
+    const uint64_t bit = token & filter_mask;
+    return static_cast<uint64_t>(token < stable_u) & (filter[bit >> 6] >> (bit & 63));
+  };
+  int64_t position = head;
+  for (; position < tail && num_candidates < max_candidates; ++position) {
+    const int64_t entry = deep[static_cast<uint64_t>(position) & deep_mask];
+    const uint64_t hit = maybe_hit(entry) != 0 && deep_hit(position, entry);
+    candidates[num_candidates] = {position, entry};
+    num_candidates += static_cast<int64_t>(static_cast<uint64_t>(entry != kTombstone) & (hit ^ 1));
+  }
+  // Past the candidates only hits matter: a filter test per entry (the circular log is one
+  // or two runs of the array). Slots are checked where they are used: candidates and hits.
+  if (max_candidates > num_deep_hits && position < tail) {  // slow tokens still unresolved
+    int64_t* __restrict filtered = s.filtered.data();
+    const int64_t start = static_cast<int64_t>(static_cast<uint64_t>(position) & deep_mask);
+    const int64_t first_run = std::min(tail - position, lru.deep_size - start);
+    const int64_t bound = std::min(stable_len, kTokenLimit);
+    int64_t count = filter_entries(deep, start, start + first_run, filter, filter_mask, bound,
+                                   filtered);
+    for (int64_t i = 0; i < count; ++i) {
+      deep_hit(position + (filtered[i] - start), deep[filtered[i]]);
+    }
+    const int64_t second_run = tail - position - first_run;
+    count = filter_entries(deep, 0, second_run, filter, filter_mask, bound, filtered);
+    for (int64_t i = 0; i < count; ++i) {
+      deep_hit(position + first_run + filtered[i], deep[filtered[i]]);
     }
   }
-  int64_t misses = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t cell = s.distinct_cells[i];
-    if (s.cell_slot[cell] >= 0) continue;
-    const int64_t slot = evictable[misses];
-    const int64_t token = s.keys[cell];
-    s.cell_slot[cell] = slot;
-    slot_tokens[slot] = token;
-    out.miss_tokens[misses] = token;
-    out.miss_slots[misses] = slot;
-    ++misses;
+  for (int64_t i = 0; i < num_candidates; ++i) {
+    bad |= static_cast<uint64_t>(packed_slot(candidates[i].entry) >= capacity);
   }
-  // New LRU: [evictable left unused..., just filled (miss order)..., hits...]; the filled
-  // slots are the first `misses` evictable ones, so this is a rotation plus the hits.
-  int64_t* cursor = std::copy(evictable + misses, evictable + num_evictable, lru);
-  cursor = std::copy(evictable, evictable + misses, cursor);
-  std::copy(hit_slots, hit_slots + num_hits, cursor);
-  write_outputs(s, width, misses, out);
+  for (int64_t i = 0; i < num_deep_hits; ++i) {
+    bad |= static_cast<uint64_t>(packed_slot(deep_hits[i].entry) >= capacity);
+  }
+
+  // 6. The misses (slow tokens neither pass found), first-occurrence order, and their
+  //    victims: the first candidates, then (rarely) the window's unused entries.
+  int64_t* __restrict miss_cells = s.miss_cells.data();
+  int64_t misses = 0;
+  for (int64_t i = 0; i < s.num_distinct; ++i) {
+    const int64_t cell = s.distinct_cells[i];
+    miss_cells[misses] = cell;
+    misses += cell_slot[cell] < 0;
+  }
+  int64_t* __restrict victims = s.victims.data();
+  const int64_t from_deep = std::min(misses, num_candidates);
+  for (int64_t i = 0; i < from_deep; ++i) victims[i] = packed_slot(candidates[i].entry);
+  // The walk from the head stops after the last victim it takes from the deep log.
+  const int64_t walk_end = misses == 0           ? head
+                           : from_deep < misses ? tail
+                                                : candidates[from_deep - 1].position + 1;
+  int64_t window_from = 0;  // window entries the walk took, when the deep log ran out
+  int64_t num_victims = from_deep;
+  while (num_victims < misses && window_from < window_len) {
+    const int64_t entry = window[window_from];
+    victims[num_victims] = packed_slot(entry);
+    num_victims += window_hit[window_from++] ^ 1;
+  }
+  if (num_victims < misses) bad = 1;  // the order holds too few slots
+  // Slots listed twice are not looked for (that would cost a mark per slot per step); the
+  // order is rebuilt from checked slots only, so a corrupt one cannot lead out of bounds, and
+  // lru_order reports it.
+  const auto clear_marks = [&]() { std::fill(window_hit, window_hit + window_len, uint8_t{0}); };
+  if (bad != 0) {  // leave the row as it was; only the scratch is cleaned up
+    clear_marks();
+    s.clear_tokens();
+    return kCorruptOrder;
+  }
+  if (window_from > 0) {  // the walk took the window's head: keep only the rest of it
+    num_window_hits = 0;
+    num_unused = 0;
+    for (int64_t i = window_from; i < window_len; ++i) {
+      const int64_t entry = window[i];
+      const uint64_t hit = window_hit[i];
+      window_hits[num_window_hits] = entry;
+      unused[num_unused] = entry;
+      num_window_hits += static_cast<int64_t>(hit);
+      num_unused += static_cast<int64_t>(hit ^ 1);
+    }
+  }
+
+  // 7. Everything is checked: change the row. Drop the speculative suffix, then fill.
+  if (stable_len <= row.max_resident()) drop_speculative(row, stable_len, unused, num_unused);
+  int64_t largest = row.max_resident();
+  {  // the victims' token lines, with loads nothing waits on (they are cold, and scattered)
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < misses; ++i) sum += static_cast<uint64_t>(row.tokens[victims[i]]);
+    asm volatile("" : : "r"(sum));
+  }
+  for (int64_t i = 0; i < misses; ++i) {
+    const int64_t cell = miss_cells[i];
+    const int64_t token = s.keys[cell];
+    const int64_t slot = victims[i];
+    row.tokens[slot] = token;
+    largest = std::max(largest, token);
+    cell_slot[cell] = slot;
+    out.miss_tokens[i] = token;
+    out.miss_slots[i] = slot;
+  }
+  row.max_resident() = largest;
+
+  // 8. The new order. Window: the filled slots (miss order), then the hits in their old
+  //    order: the ones the walk passed (deep log, then window), the deep ones ahead of the
+  //    walk, then the window's own. Deep log: drop the walked prefix, leave tombstones where
+  //    the deep hits ahead of the walk were, append the unused window entries.
+  int64_t* __restrict next = s.next_window.data();
+  int64_t length = 0;
+  for (int64_t i = 0; i < misses; ++i) next[length++] = pack(out.miss_tokens[i], victims[i]);
+  int64_t first_ahead = 0;
+  while (first_ahead < num_deep_hits && deep_hits[first_ahead].position < walk_end) {
+    next[length++] = deep_hits[first_ahead++].entry;
+  }
+  for (int64_t i = 0; i < window_from; ++i) {
+    next[length] = window[i];
+    length += window_hit[i];
+  }
+  for (int64_t i = first_ahead; i < num_deep_hits; ++i) next[length++] = deep_hits[i].entry;
+  std::copy(window_hits, window_hits + num_window_hits, next + length);
+  length += num_window_hits;
+
+  lru.head() = walk_end;
+  for (int64_t i = first_ahead; i < num_deep_hits; ++i) {
+    lru.deep_at(deep_hits[i].position) = kTombstone;
+  }
+  if (lru.tail() - lru.head() + num_unused > lru.deep_size) lru.compact();
+  for (int64_t i = 0; i < num_unused; ++i) lru.push_deep(unused[i]);
+
+  clear_marks();
+  std::copy(next, next + length, window);
+  for (int64_t i = length; i < window_len; ++i) window[i] = kNoEntry;
+  lru.window_len() = length;
+
+  // 9. Outputs: hits the window index found have their slot since step 2; the rest now.
+  for (int64_t j = 0; j < num_slow; ++j) out_slots[slow[j]] = cell_slot[slow_cells[j]];
+  pad_miss_lists(width, misses, out);
+  s.clear_tokens();
   return kOk;
 }
 
