@@ -54,6 +54,15 @@ int64_t check_log_width(const at::Tensor& t, const char* name, int64_t rows, int
   return width;
 }
 
+// The table's capacity C from slot_tokens [R, C] (checked first: every other shape follows it).
+int64_t check_capacity(const at::Tensor& slot_tokens, const char* op) {
+  check_tensor(slot_tokens, "slot_tokens", at::kLong, 2);
+  const int64_t capacity = slot_tokens.size(1);
+  TORCH_CHECK_VALUE(capacity >= 1 && capacity <= kMaxCapacity, op, ": slot_tokens must have a "
+                    "capacity in [1, ", kMaxCapacity, "], got shape ", slot_tokens.sizes());
+  return capacity;
+}
+
 // An input tensor with one entry (or one row) per residency row; made contiguous if needed.
 at::Tensor input_rows(const at::Tensor& t, const char* name, int64_t dims, int64_t rows) {
   check_tensor(t, name, at::kLong, dims);
@@ -109,12 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
     at::Tensor row_requests, const at::Tensor& topk_in, const at::Tensor& request_ids_in,
     const at::Tensor& stable_lens_in, const at::Tensor& states_in,
     const std::optional<at::Tensor>& seq_lens_in, int64_t max_seq_len) {
-  check_tensor(slot_tokens, "slot_tokens", at::kLong, 2);
+  const int64_t capacity = check_capacity(slot_tokens, "residency_update");
   const int64_t rows = slot_tokens.size(0);
-  const int64_t capacity = slot_tokens.size(1);
-  TORCH_CHECK_VALUE(capacity >= 1 && capacity <= kMaxCapacity, "residency_update: "
-                    "slot_tokens must have a capacity in [1, ", kMaxCapacity, "], got shape ",
-                    slot_tokens.sizes());
   check_state(slot_tokens, "slot_tokens", {rows, capacity});
   const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
   const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
@@ -228,12 +233,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
 // [R, C] int64: each row's slots, least recently used first (the deep log, then the window).
 at::Tensor residency_lru_order_cpu(const at::Tensor& slot_tokens, const at::Tensor& lru_window,
                                    const at::Tensor& lru_deep, const at::Tensor& row_meta) {
-  check_tensor(slot_tokens, "slot_tokens", at::kLong, 2);
+  const int64_t capacity = check_capacity(slot_tokens, "residency_lru_order");
   const int64_t rows = slot_tokens.size(0);
-  const int64_t capacity = slot_tokens.size(1);
-  TORCH_CHECK_VALUE(capacity >= 1 && capacity <= kMaxCapacity, "residency_lru_order: "
-                    "slot_tokens must have a capacity in [1, ", kMaxCapacity, "], got shape ",
-                    slot_tokens.sizes());
   const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
   const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
   check_state(row_meta, "row_meta", {rows, kMetaFields});
