@@ -414,6 +414,28 @@ def test_one_waiter_pumps_at_a_time_and_failures_and_timeouts_still_work() -> No
         gates.wait((9,), 0.2)
 
 
+def test_a_pump_that_returns_at_once_is_not_called_in_a_busy_loop() -> None:
+    class ClosedPump:  # e.g. a publisher closed while still attached
+        calls = 0
+
+        def pump(self, timeout_s: float) -> bool:
+            self.calls += 1
+            return False
+
+        def interrupt(self) -> None:
+            pass
+
+    gates = SlotGates()
+    pump = ClosedPump()
+    gates.attach_pump(pump)
+    gates.close((1,), ["save"])
+    reporter = threading.Timer(0.3, gates.mark_done, ((1,), "save"))
+    reporter.start()
+    gates.wait((1,), 10.0)  # still ends when another thread reports
+    reporter.join()
+    assert 1 <= pump.calls <= 20  # ~one call per 50 ms slice, not thousands
+
+
 def test_one_pump_per_table() -> None:
     gates = SlotGates()
     first, second = QueuePump(gates), QueuePump(gates)

@@ -197,17 +197,24 @@ class SlotGates:
                 if pump is None or self._pumping_thread is not None:
                     self._changed.wait(remaining)
                 else:
-                    self._pump_once(pump, PUMP_SLICE_S if remaining is None
-                                    else min(remaining, PUMP_SLICE_S))
+                    slice_s = PUMP_SLICE_S if remaining is None else min(remaining, PUMP_SLICE_S)
+                    started = time.monotonic()
+                    if not self._pump_once(pump, slice_s) and not current.over:
+                        # Back early with nothing handled (a closed or busy pump): sleep out
+                        # the slice on the condition rather than call it again at once.
+                        rest = slice_s - (time.monotonic() - started)
+                        if rest > 0:
+                            self._changed.wait(rest)
             if current.error is not None:
                 raise _failure(key, current.failed_part, current.error)
 
-    def _pump_once(self, pump: GatePump, timeout_s: float) -> None:
-        """Drive the pump for one slice with the lock released (the caller holds it once)."""
+    def _pump_once(self, pump: GatePump, timeout_s: float) -> bool:
+        """Drive the pump for one slice with the lock released (the caller holds it once);
+        whether it handled anything."""
         self._pumping_thread = threading.get_ident()
         self._changed.release()
         try:
-            pump.pump(timeout_s)
+            return pump.pump(timeout_s)
         finally:
             self._changed.acquire()
             self._pumping_thread = None

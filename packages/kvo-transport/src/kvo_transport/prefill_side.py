@@ -308,8 +308,7 @@ class PrefillPublisher:
                 raise ValueError(f"last_layer_request_ids {sorted(last - known)} are not "
                                  f"published in this layer")
         for requests in requests_by_endpoint.values():
-            if requests:
-                _check_requests(requests)
+            _check_requests(requests)
         deadline_s = self.layer_deadline_s if deadline_s is None else deadline_s
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
@@ -510,9 +509,10 @@ class PrefillPublisher:
         handled = sum(self._drain(c) for c in connections)
         if handled or timeout_s <= 0:
             return handled > 0
-        watched = [c.fd for c in connections]
-        ready, _, _ = select.select([*watched, self._interrupt_read], [], [], timeout_s)
-        if self._interrupt_read in ready:
+        poller = select.poll()  # not select(): a vLLM process easily has fds past 1024
+        for fd in (*(c.fd for c in connections), self._interrupt_read):
+            poller.register(fd, select.POLLIN)
+        if any(fd == self._interrupt_read for fd, _ in poller.poll(timeout_s * 1000)):
             _drain_pipe(self._interrupt_read)
         return sum(self._drain(c) for c in connections) > 0
 
