@@ -183,8 +183,8 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
 def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: int,
                load: tuple[float, float]) -> str:
     head = (f"{'R':>3} {'C':>5} {'seq':>6} {'vec us':>8} {'ref us':>9} {'ref n':>5} "
-            f"{'speedup':>8} {'cpu x':>6} {'native us':>9} {'io floor':>8} {'hit rate':>8} {'LRU miss':>8} "
-            f"{'Belady':>7} {'LRU/OPT':>7} {'agree':>5}")
+            f"{'speedup':>8} {'cpu x':>6} {'native us':>9} {'io floor':>8} {'hit rate':>8} "
+            f"{'LRU miss':>8} {'Belady':>7} {'LRU/OPT':>7} {'agree':>5}")
     lines = [
         f"residency update: K={TOP_K}, ~{KEEP:.0%} of the top-k kept per step; us = median wall "
         f"time per layer-step (one update of all R rows); cpu x = speed-up in this thread's "
