@@ -20,11 +20,11 @@
 // pays ~1000 cold random reads and writes a row-step (look-ups, insertions, deletions), and
 // such a read costs the host CPU far more than streaming the whole deep log (see the report
 // of issue 4). So was a per-row token -> slot array (16-bit slots, one load per look-up, no
-// window index; built and checked equal to this one in a C++ harness): about as fast at R=1, 2-3x
-// slower at R=32, where each row's state is out of L2 when its turn comes and 2048
+// window index; built and checked equal to this one in a C++ harness): about as fast at
+// R=1, 2-3x slower at R=32, where each row's state is out of L2 when its turn comes and 2048
 // independent loads into it cost 12-20 ns each on this machine (~3.5 ns in L2, ~1 in L1).
-// Other O(C) work happens only on a reset (new request, first offload), on a
-// speculative drop, and when the deep log is compacted (rare). Everything followed in the
+// Other O(C) work happens only on a reset (new request, first offload), on a speculative
+// drop, and when the deep log is compacted (rare). Everything followed in the
 // state is checked before anything changes: a corrupt row is reported and left as it was,
 // never followed out of bounds. Offsets and ids are 64-bit.
 
