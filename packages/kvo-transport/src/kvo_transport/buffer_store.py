@@ -9,14 +9,14 @@ names a return code.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from kvo_transport.errors import StoreArgumentError, StoreError
+from kvo_transport.region_owner import RegionOwner
 from kvo_transport.regions import MemoryRegion, RegionRegistry
 
 
-class BufferStore:
+class BufferStore(RegionOwner):
     """Base of the KVStore backends (see the module docstring)."""
 
     backend = ""
@@ -27,9 +27,7 @@ class BufferStore:
         """``description`` names the client in errors, e.g. the master it talks to."""
         self._store: Any = client
         self._description = description
-        self._registry = RegionRegistry(StoreArgumentError)
-        self._lock = threading.Lock()
-        self._closed = False
+        self._own(RegionRegistry(StoreArgumentError))
 
     # -- what a backend may refine -------------------------------------------------------------
 
@@ -65,23 +63,12 @@ class BufferStore:
         if rc != 0:
             raise StoreError(f"{self._label} unregister_buffer({region}) failed: {self._code(rc)}")
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for region in self._registry.regions():
-                self._unregister_buffer(self._store, region)
-                self._registry.remove(region.ptr)
-            self._store.close()
-            self._store = None
+    def _drop_region(self, region: MemoryRegion) -> None:
+        self._unregister_buffer(self._store, region)
 
-    def __enter__(self) -> BufferStore:
-        return self
+    def _release_handle(self) -> None:
+        self._store.close()
+        self._store = None
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._registry)} regions"
-        return f"{type(self).__name__}({self._description}, {state})"
+    def _describe(self) -> str:
+        return str(self._description)

@@ -10,15 +10,15 @@ a reason for a failure (``_reason_since``).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from kvo_transport.errors import TransferError
-from kvo_transport.regions import RegionRegistry, TransferBatch
+from kvo_transport.region_owner import RegionOwner
+from kvo_transport.regions import MemoryRegion, RegionRegistry, TransferBatch
 
 
-class LibraryTransferEngine:
+class LibraryTransferEngine(RegionOwner):
     """Base of the backends; a subclass calls ``_start`` once its library engine is up."""
 
     backend = ""
@@ -30,9 +30,7 @@ class LibraryTransferEngine:
     def _start(self, engine: Any, session_id: str) -> None:
         self._engine: Any = engine
         self._session_id = session_id
-        self._registry = RegionRegistry()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._own(RegionRegistry())
 
     # -- what a backend may refine -------------------------------------------------------------
 
@@ -110,26 +108,15 @@ class LibraryTransferEngine:
         return TransferError(f"{self._label} ({self.protocol}) batch {direction} "
                              f"{batch.describe()} failed with return code {rc}{detail}")
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for region in self._registry.regions():
-                self._engine.unregister_memory(region.ptr)
-                self._registry.remove(region.ptr)
-            engine, self._engine = self._engine, None
-            self._release(engine)
+    def _drop_region(self, region: MemoryRegion) -> None:
+        self._engine.unregister_memory(region.ptr)
 
-    def __enter__(self) -> LibraryTransferEngine:
-        return self
+    def _release_handle(self) -> None:
+        engine, self._engine = self._engine, None
+        self._release(engine)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._registry)} regions"
-        return f"{type(self).__name__}({self._session_id}, {self.protocol}, {state})"
+    def _describe(self) -> str:
+        return f"{self._session_id}, {self.protocol}"
 
 
 def _colon(reason: str) -> str:
