@@ -8,6 +8,11 @@ so it is timed on the first few steady steps only (the table says how many). Eve
 is also checked: the implementations must return identical results.
 
     python tools/bench/residency.py --json PATH [--quick] [--threads N] [--native-threads N]
+
+With KVO_UPSTREAM_LRU_SRC pointing at a vllm-ascend checkout's
+vllm_ascend/distributed/kv_transfer/sparse_kv_offload/sparse_kv_offload.cpp, upstream's own
+host LRU (``lru_resident_compact``) is built from it and timed step by step alternately with
+the native op, on the same trace and threads (column ``upstream``; n/a without it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _upstream_lru import ENV_VAR, UpstreamTable
+from _upstream_lru import build as build_upstream
 
 from kvo_core.residency import (
     ReferenceResidency,
@@ -48,6 +55,16 @@ def load_native() -> type | None:
     return NativeResidencyTable
 
 
+def load_upstream() -> Any:
+    """Upstream's LRU built from ``KVO_UPSTREAM_LRU_SRC``, or None when the variable is unset."""
+    source = os.environ.get(ENV_VAR)
+    if not source:
+        return None
+    lib = build_upstream(Path(source))  # a bad path or source is an error, not a silent n/a
+    print(f"upstream LRU built from {source}")
+    return lib
+
+
 def make_trace(rows: int, seq_len: int, steps: int, seed: int) -> list[torch.Tensor]:
     """steps + 1 top-k selections [rows, K], distinct tokens per row, ~KEEP overlap per step."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,8 +76,12 @@ def make_trace(rows: int, seq_len: int, steps: int, seed: int) -> list[torch.Ten
         while True:  # redraw fresh entries until no row holds a token twice
             nxt[fresh] = torch.randint(0, seq_len, (int(fresh.sum()),), generator=gen)
             ordered, order = nxt.sort(dim=1)
+            # Both members of an equal pair: the sort may put the kept one second, and only
+            # fresh entries are redrawn (kept ones are distinct already).
+            equal = ordered[:, 1:] == ordered[:, :-1]
             repeated = torch.zeros_like(fresh)
-            repeated[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+            repeated[:, 1:] |= equal
+            repeated[:, :-1] |= equal
             again = torch.zeros_like(fresh).scatter_(1, order, repeated) & fresh
             if not bool(again.any()):
                 break
@@ -100,6 +121,9 @@ class Timed:
                 self._kept[name] = torch.empty((self.steps, *value.shape), dtype=value.dtype)
             self._kept[name][step].copy_(value)
 
+    def result(self, step: int) -> ResidencyResult:
+        return ResidencyResult(**{name: self._kept[name][step] for name in FIELDS})
+
     @property
     def results(self) -> list[ResidencyResult]:
         return [ResidencyResult(**{name: self._kept[name][i] for name in FIELDS})
@@ -117,10 +141,11 @@ def median_us(times: Sequence[float]) -> float:
 
 def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
               steps: int, ref_steps: int, native: Callable[..., Any] | None,
-              threads: int, native_threads: int) -> dict[str, Any]:
+              threads: int, native_threads: int, upstream: Any = None) -> dict[str, Any]:
     """Step 0 is a first offload (untimed). The vectorised and the reference table take each
     step in turn, so a change in machine load hits both alike; the speed-ups compare the same
-    steps. The native op runs the trace afterwards, on its own."""
+    steps. The native op runs the trace afterwards, taking turns with upstream's LRU when that
+    was built (which starts from the native table's state after the first offload)."""
     vec = Timed(ResidencyTable(rows, capacity, max_seq_len=seq_len), threads, steps)
     ref = Timed(ReferenceResidency(rows, capacity, max_seq_len=seq_len), threads, steps)
     nat = (Timed(native(rows, capacity, max_seq_len=seq_len), native_threads, steps)
@@ -135,6 +160,8 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
         vec.update(topk, requests, stable, steady)
         if i < ref_steps:
             ref.update(topk, requests, stable, steady)
+    upstream_wall: list[float] = []
+    upstream_agree = True
     if nat is not None:  # a run of its own: its idle OpenMP threads spin and would slow others
         # The op allocates per-thread scratch on first use: a throwaway table pays for it.
         warm = Timed(native(rows, capacity, max_seq_len=seq_len), native_threads, steps)
@@ -142,8 +169,20 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
         for topk in trace[1:4]:
             warm.update(topk, requests, stable, steady, timed=False)
         nat.update(trace[0], requests, stable, first, timed=False)
-        for topk in trace[1:steps + 1]:
+        up = None
+        if upstream is not None:
+            up = UpstreamTable(upstream, rows, capacity, TOP_K, seq_len, native_threads)
+            up.start_from(nat.table.slot_tokens, nat.table.lru_order)
+        for step, topk in enumerate(trace[1:steps + 1]):
             nat.update(topk, requests, stable, steady)
+            if up is not None:
+                up.set_topk(topk)
+                start = time.perf_counter()
+                up.update()
+                upstream_wall.append(time.perf_counter() - start)
+                mine = nat.result(step)
+                upstream_agree = upstream_agree and all(
+                    torch.equal(value, getattr(mine, name)) for name, value in up.outputs().items())
         # The same calls with no residency work (NOT_OFFLOADED rows): argument checks, four
         # fresh outputs written. What any implementation of this contract pays per step here.
         io_floor = Timed(native(rows, capacity, max_seq_len=seq_len), native_threads, steps)
@@ -157,6 +196,9 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
         native_us, native_cpu_us = median_us(nat.wall), median_us(nat.cpu)
         io_floor_us = median_us(io_floor.wall)
         agree = agree and same(nat.results, vec.results)
+    upstream_us = median_us(upstream_wall) if upstream_wall else None
+    if upstream_wall:
+        agree = agree and upstream_agree
     vec_results = vec.results
 
     lru_misses = sum(int(r.miss_counts.sum()) for r in vec_results)
@@ -173,6 +215,7 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
                 reference_cpu_us=ref_cpu_us, speedup=ref_us / paired_us,
                 cpu_speedup=ref_cpu_us / paired_cpu_us,
                 native_us=native_us, native_cpu_us=native_cpu_us, io_floor_us=io_floor_us,
+                upstream_us=upstream_us, upstream_agrees=upstream_agree if upstream_wall else None,
                 hit_rate=1 - lru_misses / selected,
                 lru_misses_per_row_step=lru_misses / (steps * rows),
                 belady_misses_per_row_step=optimum / (steps * rows),
@@ -183,7 +226,8 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
 def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: int,
                load: tuple[float, float]) -> str:
     head = (f"{'R':>3} {'C':>5} {'seq':>6} {'vec us':>8} {'ref us':>9} {'ref n':>5} "
-            f"{'speedup':>8} {'cpu x':>6} {'native us':>9} {'io floor':>8} {'hit rate':>8} "
+            f"{'speedup':>8} {'cpu x':>6} {'native us':>9} {'io floor':>8} {'upstream':>8} "
+            f"{'hit rate':>8} "
             f"{'LRU miss':>8} {'Belady':>7} {'LRU/OPT':>7} {'agree':>5}")
     lines = [
         f"residency update: K={TOP_K}, ~{KEEP:.0%} of the top-k kept per step; us = median wall "
@@ -192,17 +236,20 @@ def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: 
         f"on (vectorised and native: every step; the speed-ups compare the vectorised run on "
         f"those same steps, taken in turn); io floor = the native op's own calls on the same "
         f"steps with every row NOT_OFFLOADED (argument checks and four fresh [R, K] outputs, "
-        f"no residency work); misses per row-step over the steady steps.",
+        f"no residency work); upstream = vllm-ascend's host LRU (lru_resident_compact, int32, "
+        f"caller-owned outputs) built from {ENV_VAR}, timed alternately with the native op on the "
+        f"same steps and threads, from the same state; misses per row-step over the steady steps.",
         f"torch threads: {threads} (vectorised, reference), {native_threads} (native op); "
         f"load average {load[0]:.1f} at start, {load[1]:.1f} at end on {os.cpu_count()} CPUs.",
         head, "-" * len(head)]
     for r in records:
         native = f"{r['native_us']:9.0f}" if r["native_us"] is not None else f"{'n/a':>9}"
         floor = f"{r['io_floor_us']:8.0f}" if r["io_floor_us"] is not None else f"{'n/a':>8}"
+        upstream = f"{r['upstream_us']:8.0f}" if r["upstream_us"] is not None else f"{'n/a':>8}"
         lines.append(
             f"{r['rows']:>3} {r['capacity']:>5} {r['seq_len']:>6} {r['vectorised_us']:8.0f} "
             f"{r['reference_us']:9.0f} {r['ref_steps']:>5} {r['speedup']:7.1f}x "
-            f"{r['cpu_speedup']:5.1f}x {native} {floor} {r['hit_rate']:8.3f} "
+            f"{r['cpu_speedup']:5.1f}x {native} {floor} {upstream} {r['hit_rate']:8.3f} "
             f"{r['lru_misses_per_row_step']:8.1f} {r['belady_misses_per_row_step']:7.1f} "
             f"{r['lru_over_belady']:7.3f} {'yes' if r['results_agree'] else 'NO':>5}")
     return "\n".join(lines)
@@ -226,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid = [(r, c, s) for r in (1, 8, 32) for s in (32768, 131072) for c in (4096, 8192)]
         steps, ref_steps = 100, 10
     native = load_native()
+    upstream = load_upstream() if native is not None else None
     load_start = os.getloadavg()[0]
     records = []
     traces: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -234,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if key not in traces:
             traces[key] = make_trace(rows, seq_len, steps, seed=rows * 7919 + seq_len)
         records.append(bench_one(rows, capacity, seq_len, traces[key], steps, ref_steps,
-                                 native, args.threads, args.native_threads))
+                                 native, args.threads, args.native_threads, upstream))
         print(f"  done R={rows} C={capacity} seq={seq_len}", flush=True)
     load = (load_start, os.getloadavg()[0])
     print(table_text(records, args.threads, args.native_threads, load))
@@ -242,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.write_text(json.dumps(dict(
         benchmark="residency", top_k=TOP_K, keep=KEEP, threads=args.threads,
         native_threads=args.native_threads, quick=args.quick, load_average=load,
-        cpus=os.cpu_count(), native_available=native is not None, results=records),
+        cpus=os.cpu_count(), native_available=native is not None,
+        upstream_source=os.environ.get(ENV_VAR), results=records),
         indent=2))
     return 0 if all(r["results_agree"] for r in records) else 1
 
