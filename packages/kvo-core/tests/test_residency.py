@@ -327,6 +327,55 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(cls: Any, kwargs: dict
     assert table.slot_tokens.tolist() == [[-1] * 4] * 2
 
 
+def _buffers(rows: int, width: int) -> ResidencyResult:
+    return ResidencyResult(slots=torch.full((rows, width), 7, dtype=torch.int64),
+                           miss_counts=torch.full((rows,), 7, dtype=torch.int64),
+                           miss_tokens=torch.full((rows, width), 7, dtype=torch.int64),
+                           miss_slots=torch.full((rows, width), 7, dtype=torch.int64))
+
+
+@impl
+def test_out_buffers_receive_the_result_a_fresh_update_returns(cls: Any) -> None:
+    fresh, into = cls(2, 6, max_seq_len=64), cls(2, 6, max_seq_len=64)
+    out = _buffers(2, 5)
+    calls = [([[1, 2, 3, -1, 2], [9, 8, 7, 6, 5]], [FIRST, NOT_OFFLOADED]),
+             ([[4, 1, 5, 5, 63], [1, 2, 3, 4, 5]], [STEADY, FIRST]),
+             ([[6, 7, 1, 2, -3], [5, 6, 1, 9, 8]], [STEADY, STEADY])]
+    for topk, states in calls:
+        args = (t64(topk), t64([0, 1]), t64([60, 60]), t64(states))
+        expected = fresh.update(*args)
+        assert into.update(*args, out=out) is out
+        for name in RESULT_FIELDS:
+            assert torch.equal(getattr(out, name), getattr(expected, name)), name
+        assert torch.equal(into.slot_tokens, fresh.slot_tokens)
+        assert torch.equal(into.lru_order, fresh.lru_order)
+
+
+@impl
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda b: "buffers", "out must be a ResidencyResult of buffers, got str"),
+    (lambda b: ResidencyResult(b.slots, [0, 0], b.miss_tokens, b.miss_slots),
+     "out.miss_counts must be a torch.Tensor, got list"),
+    (lambda b: ResidencyResult(b.slots.int(), b.miss_counts, b.miss_tokens, b.miss_slots),
+     r"out.slots must be int64 of shape \[2, 3\], got torch.int32"),
+    (lambda b: ResidencyResult(b.slots, b.miss_counts, b.miss_tokens[:, :2], b.miss_slots),
+     r"out.miss_tokens must be int64 of shape \[2, 3\], got torch.int64 \[2, 2\]"),
+    (lambda b: ResidencyResult(b.slots, b.miss_counts, b.slots, b.miss_slots),
+     "out.slots shares memory with out.miss_tokens"),
+    (lambda b: ResidencyResult(b.slots, b.miss_slots[:, 0], b.miss_tokens, b.miss_slots),
+     "out.miss_counts shares memory with out.miss_slots"),
+])
+def test_bad_out_buffers_are_refused_and_change_nothing(cls: Any, make: Any,
+                                                        message: str) -> None:
+    table = cls(2, 4, max_seq_len=64)
+    step(table, [[1, 2, 3], [4, 5, 6]], [0, 0])
+    before = table.slot_tokens, table.lru_order
+    with pytest.raises(ResidencyInputError, match=message):
+        table.update(t64([[7, 8, 9], [1, 2, 3]]), t64([0, 0]), t64([60, 60]),
+                     out=make(_buffers(2, 3)))
+    assert torch.equal(table.slot_tokens, before[0]) and torch.equal(table.lru_order, before[1])
+
+
 @impl
 def test_padding_beyond_seq_len_is_not_checked_against_max_seq_len(cls: Any) -> None:
     table = cls(1, 2, max_seq_len=64)

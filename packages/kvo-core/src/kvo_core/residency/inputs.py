@@ -9,7 +9,12 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvo_core.residency.state import RequestState, ResidencyInputError
+from kvo_core.residency.state import (
+    RESULT_FIELDS,
+    RequestState,
+    ResidencyInputError,
+    ResidencyResult,
+)
 
 DEFAULT_MAX_SEQ_LEN = 1 << 20
 """Default bound on token positions (exclusive). A larger selected position is a caller bug."""
@@ -97,6 +102,47 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
             f"states must hold only {allowed} (NOT_OFFLOADED, FIRST_OFFLOAD, STEADY), "
             f"got {states_t.tolist()}")
     return CheckedUpdate(states_t, in_range, max_token)
+
+
+def check_out(out: object, rows: int, width: int, device: torch.device) -> ResidencyResult:
+    """The caller's output buffers of an update, checked before anything changes.
+
+    int64 tensors on the table's device shaped like the result ([R, K], [R], [R, K], [R, K]),
+    no two sharing memory (each is written whole).
+    """
+    if not isinstance(out, ResidencyResult):
+        raise ResidencyInputError(
+            f"out must be a ResidencyResult of buffers, got {type(out).__name__}")
+    spans = []
+    for name in RESULT_FIELDS:
+        buffer = getattr(out, name)
+        shape = [rows] if name == "miss_counts" else [rows, width]
+        if not isinstance(buffer, torch.Tensor):
+            raise ResidencyInputError(
+                f"out.{name} must be a torch.Tensor, got {type(buffer).__name__}")
+        if buffer.dtype != torch.int64 or list(buffer.shape) != shape:
+            raise ResidencyInputError(
+                f"out.{name} must be int64 of shape {shape}, got {buffer.dtype} "
+                f"{list(buffer.shape)}")
+        if buffer.device != device:
+            raise ResidencyInputError(
+                f"out.{name} must be on {device} (the table's device), got {buffer.device}")
+        spans.append((name, *_byte_span(buffer)))
+    for i, (name, begin, end) in enumerate(spans):
+        for other, other_begin, other_end in spans[i + 1:]:
+            if begin < other_end and other_begin < end:
+                raise ResidencyInputError(
+                    f"out.{name} shares memory with out.{other}; pass separate buffers")
+    return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses a tensor's elements can occupy, [first, last + 1), whatever its strides."""
+    if t.numel() == 0:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return t.data_ptr() + low * t.element_size(), t.data_ptr() + (high + 1) * t.element_size()
 
 
 def overflow_message(row: int, distinct: int, capacity: int) -> str:

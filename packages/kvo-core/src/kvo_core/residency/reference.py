@@ -19,6 +19,7 @@ import torch
 from kvo_core.residency.inputs import (
     DEFAULT_MAX_SEQ_LEN,
     check_dimensions,
+    check_out,
     check_update_inputs,
     overflow_message,
 )
@@ -104,11 +105,16 @@ class ReferenceResidency:
         self._requests[row] = int(request)
 
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
-               states: torch.Tensor | None = None, *,
-               seq_lens: torch.Tensor | None = None) -> ResidencyResult:
-        """Apply one decode step's top-k selection to every row (rules: module docstring)."""
+               states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
+               out: ResidencyResult | None = None) -> ResidencyResult:
+        """Apply one decode step's top-k selection to every row (rules: module docstring).
+
+        With ``out`` (buffers, see ``check_out``) the result is written there and returned.
+        """
         checked = check_update_inputs(
             self._rows, self._max_seq_len, topk, request_ids, stable_lens, states, seq_lens)
+        if out is not None:
+            check_out(out, self._rows, topk.shape[1], torch.device("cpu"))
         rows = topk.tolist()
         in_range = checked.in_range.tolist()
         row_states = [RequestState(s) for s in checked.states.tolist()]
@@ -135,11 +141,12 @@ class ReferenceResidency:
             miss_counts.append(len(misses))
             miss_tokens.append(misses + [EMPTY] * (width - len(misses)))
             miss_slots.append(filled + [EMPTY] * (width - len(filled)))
-        return ResidencyResult(
+        result = ResidencyResult(
             slots=torch.tensor(slots, dtype=torch.int64),
             miss_counts=torch.tensor(miss_counts, dtype=torch.int64),
             miss_tokens=torch.tensor(miss_tokens, dtype=torch.int64),
             miss_slots=torch.tensor(miss_slots, dtype=torch.int64))
+        return result if out is None else result.copy_into(out)
 
     def _update_row(self, r: int, selected: list[int], request: int, stable_len: int,
                     first_offload: bool) -> tuple[dict[int, int], list[int], list[int]]:

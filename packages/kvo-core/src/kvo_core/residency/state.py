@@ -52,3 +52,12 @@ class ResidencyResult:
     miss_counts: torch.Tensor
     miss_tokens: torch.Tensor
     miss_slots: torch.Tensor
+
+    def copy_into(self, out: ResidencyResult) -> ResidencyResult:
+        """Write this result into the caller's buffers (checked by ``check_out``); ``out``."""
+        for name in RESULT_FIELDS:
+            getattr(out, name).copy_(getattr(self, name))
+        return out
+
+
+RESULT_FIELDS = ("slots", "miss_counts", "miss_tokens", "miss_slots")

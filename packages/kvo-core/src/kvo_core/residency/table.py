@@ -25,6 +25,7 @@ import torch
 from kvo_core.residency.inputs import (
     DEFAULT_MAX_SEQ_LEN,
     check_dimensions,
+    check_out,
     check_update_inputs,
     overflow_message,
 )
@@ -115,13 +116,18 @@ class ResidencyTable:
         self._max_held[row] = EMPTY
 
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
-               states: torch.Tensor | None = None, *,
-               seq_lens: torch.Tensor | None = None) -> ResidencyResult:
-        """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6)."""
+               states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
+               out: ResidencyResult | None = None) -> ResidencyResult:
+        """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6).
+
+        With ``out`` (buffers, see ``check_out``) the result is written there and returned.
+        """
         checked = check_update_inputs(
             self._rows, self._max_seq_len, topk, request_ids, stable_lens, states, seq_lens,
             self._device)
         rows, width = topk.shape
+        if out is not None:
+            check_out(out, rows, width, self._device)
         cap = self._capacity
         active = checked.states != RequestState.NOT_OFFLOADED
         first_offload = checked.states == RequestState.FIRST_OFFLOAD
@@ -229,8 +235,9 @@ class ResidencyTable:
         miss_tokens[:, :most] = fill_tokens
         miss_slots = torch.full((rows, width), EMPTY, dtype=_I64, device=self._device)
         miss_slots[:, :most] = fill_slots
-        return ResidencyResult(slots=slots, miss_counts=miss_counts,
-                               miss_tokens=miss_tokens, miss_slots=miss_slots)
+        result = ResidencyResult(slots=slots, miss_counts=miss_counts,
+                                 miss_tokens=miss_tokens, miss_slots=miss_slots)
+        return result if out is None else result.copy_into(out)
 
     def _markers(self, width: int) -> torch.Tensor:
         """Step 2's marker MIN + j for every flat [R * K] position (map dtype), cached."""
