@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -111,6 +112,73 @@ def test_random_traces_match_the_reference_bit_for_bit(trace: dict) -> None:
         seq_lens = None if step["seq_lens"] is None else _i64(step["seq_lens"])
         _step_all(tables, f"step {i}", _i64(step["topk"]), _i64(step["requests"]),
                   _i64(step["stable"]), states, seq_lens=seq_lens)
+
+
+def _buffers(rows: int, width: int) -> ResidencyResult:
+    return ResidencyResult(*(torch.full(shape, 7, dtype=torch.int64)
+                             for shape in ((rows, width), (rows,), (rows, width), (rows, width))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces())
+def test_out_buffers_receive_what_a_fresh_update_returns(trace: dict) -> None:
+    """Every implementation, updated into buffers reused across steps, twin of a fresh one."""
+    rows, capacity = trace["rows"], trace["capacity"]
+    for cls in (ReferenceResidency, ResidencyTable, NativeResidencyTable):
+        fresh, into = cls(rows, capacity), cls(rows, capacity)
+        buffers: dict[int, ResidencyResult] = {}
+        for i, step in enumerate(trace["steps"]):
+            topk = _i64(step["topk"])
+            args = (topk, _i64(step["requests"]), _i64(step["stable"]),
+                    None if step["states"] is None else _i64(step["states"]))
+            seq_lens = None if step["seq_lens"] is None else _i64(step["seq_lens"])
+            out = buffers.setdefault(topk.shape[1], _buffers(rows, topk.shape[1]))
+            try:
+                expected = fresh.update(*args, seq_lens=seq_lens)
+            except ResidencyOverflowError:
+                with pytest.raises(ResidencyOverflowError):
+                    into.update(*args, seq_lens=seq_lens, out=out)
+            else:
+                assert into.update(*args, seq_lens=seq_lens, out=out) is out
+                _assert_same(expected, out, f"step {i} ({cls.__name__})")
+            _assert_same_state(fresh, into, f"step {i} ({cls.__name__})")
+
+
+Replacement = Callable[[NativeResidencyTable, dict, ResidencyResult], object]
+
+
+def _native_out_cases() -> list[tuple[str, Replacement, str]]:
+    """(field of out to replace, its replacement from (table, call, buffers), error)."""
+    return [
+        ("slots", lambda n, c, b: c["topk"], "out.slots shares memory with topk"),
+        ("miss_tokens", lambda n, c, b: n._tokens[:, :4],
+         "out.miss_tokens shares memory with slot_tokens"),
+        ("miss_slots", lambda n, c, b: b.slots, "out.slots shares memory with out.miss_slots"),
+        ("slots", lambda n, c, b: torch.zeros(1, 8, dtype=torch.int64)[:, ::2],
+         "out.slots must be contiguous"),
+        ("miss_counts", lambda n, c, b: torch.zeros(2, dtype=torch.int64),
+         r"out.miss_counts must have shape \[1\], got \[2\]"),
+        ("slots", lambda n, c, b: torch.zeros(1, 4, dtype=torch.int32), "out.slots must be int64"),
+        ("slots", lambda n, c, b: [[0] * 4], "out.slots must be a torch.Tensor, got list"),
+        ("", lambda n, c, b: "out", "out must be a ResidencyResult of buffers, got str"),
+    ]
+
+
+@pytest.mark.parametrize(("field", "replacement", "message"), _native_out_cases())
+def test_bad_out_buffers_are_refused_with_the_buffer_named(
+        field: str, replacement: Replacement, message: str) -> None:
+    native = NativeResidencyTable(1, 4)
+    call = {"topk": _i64([[1, 2, 3, 4]]), "request_ids": _i64([0]), "stable_lens": _i64([9])}
+    native.update(**call)
+    before = {name: getattr(native, name) for name in STATE}
+    call["topk"] = _i64([[5, 2, 6, 1]])
+    buffers = _buffers(1, 4)
+    value = replacement(native, call, buffers)
+    out = attrs.evolve(buffers, **{field: value}) if field else value
+    with pytest.raises(ResidencyInputError, match=message):
+        native.update(**call, out=out)
+    for name in STATE:
+        assert torch.equal(getattr(native, name), before[name])
 
 
 def _overlapping_trace(rows: int, width: int, seq: int, steps: int, overlap: float,

@@ -32,6 +32,7 @@ from kvo_kernels.native_build import load_native_ops
 _I64 = torch.int64
 _CPU = torch.device("cpu")
 _OVERFLOW_PREFIX = "residency overflow: "
+_OUT_FIELDS = ("slots", "miss_counts", "miss_tokens", "miss_slots")
 SLOT_BITS = 20
 MAX_CAPACITY = 1 << SLOT_BITS
 """The largest capacity the op takes (an entry packs its slot in 20 bits)."""
@@ -93,7 +94,8 @@ class NativeResidencyTable:
         if torch.device(device) != _CPU:
             raise ResidencyInputError(
                 f"device must be cpu (the native residency op runs on the host), got {device!r}")
-        self._op = load_native_ops().residency_update
+        ops = load_native_ops()
+        self._op, self._op_out = ops.residency_update, ops.residency_update_out
         width = 1 << (capacity - 1).bit_length()  # W = L: the power of two >= C
         self._fresh_deep = torch.full((width,), TOMBSTONE, dtype=_I64)
         self._fresh_deep[:capacity] = pack(-1, torch.arange(capacity, dtype=_I64))
@@ -148,22 +150,32 @@ class NativeResidencyTable:
         self._requests[row] = NO_REQUEST
 
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
-               states: torch.Tensor | None = None, *,
-               seq_lens: torch.Tensor | None = None) -> ResidencyResult:
+               states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
+               out: ResidencyResult | None = None) -> ResidencyResult:
         """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6).
 
         ``topk`` [R, K] token positions (negative, or at/after ``seq_lens[r]`` when given, are
         padding; a repeat counts once); ``request_ids`` [R]; ``stable_lens`` [R] (resident
         tokens at or after it are dropped first); ``states`` [R] ``RequestState`` codes,
-        default STEADY. All int64 CPU tensors. Raises ResidencyInputError /
-        ResidencyOverflowError with the table unchanged.
+        default STEADY. All int64 CPU tensors. ``out``: buffers to write the result into and
+        return (contiguous int64, shapes [R, K], [R], [R, K], [R, K], sharing no memory with
+        the arguments or each other), e.g. allocated once for a decode loop; by default the
+        result is new tensors. Raises ResidencyInputError / ResidencyOverflowError with the
+        table unchanged (``out`` may then hold anything).
         """
         if states is None:
             states = self._steady
+        buffers = None if out is None else _out_buffers(out)
         try:
-            slots, miss_counts, miss_tokens, miss_slots = self._op(
-                self._tokens, self._window, self._deep, self._meta, self._requests, topk,
-                request_ids, stable_lens, states, seq_lens, self._max_seq_len)
+            if buffers is None:
+                slots, miss_counts, miss_tokens, miss_slots = self._op(
+                    self._tokens, self._window, self._deep, self._meta, self._requests, topk,
+                    request_ids, stable_lens, states, seq_lens, self._max_seq_len)
+            else:
+                self._op_out(self._tokens, self._window, self._deep, self._meta,
+                             self._requests, topk, request_ids, stable_lens, states, seq_lens,
+                             self._max_seq_len, *buffers)
+                slots, miss_counts, miss_tokens, miss_slots = buffers
         except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
             message = _first_line(error)
             if isinstance(error, RuntimeError) and message.startswith(_OVERFLOW_PREFIX):
@@ -173,6 +185,8 @@ class NativeResidencyTable:
             if isinstance(error, ValueError):
                 raise ResidencyInputError(message) from error
             raise
+        if out is not None:
+            return out
         return ResidencyResult(slots=slots, miss_counts=miss_counts,
                                miss_tokens=miss_tokens, miss_slots=miss_slots)
 
@@ -189,6 +203,19 @@ class NativeResidencyTable:
         _row_tensor("states", states, 1, rows)
         if seq_lens is not None:
             _row_tensor("seq_lens", seq_lens, 1, rows)
+
+
+def _out_buffers(out: object) -> tuple[torch.Tensor, ...]:
+    """The four buffers of ``out`` (shapes, dtypes and overlaps: the op checks them)."""
+    if not isinstance(out, ResidencyResult):
+        raise ResidencyInputError(
+            f"out must be a ResidencyResult of buffers, got {type(out).__name__}")
+    buffers = tuple(getattr(out, name) for name in _OUT_FIELDS)
+    for name, buffer in zip(_OUT_FIELDS, buffers, strict=True):
+        if not isinstance(buffer, torch.Tensor):
+            raise ResidencyInputError(
+                f"out.{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    return buffers
 
 
 def pack(token: int | torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:

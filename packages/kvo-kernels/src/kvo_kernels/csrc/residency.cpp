@@ -14,10 +14,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "residency_rows.h"
@@ -113,11 +116,24 @@ void for_each_row(int64_t rows, int threads, const Body& body) {
   for (int64_t r = 0; r < rows; ++r) body(r);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
-    at::Tensor slot_tokens, at::Tensor lru_window, at::Tensor lru_deep, at::Tensor row_meta,
-    at::Tensor row_requests, const at::Tensor& topk_in, const at::Tensor& request_ids_in,
-    const at::Tensor& stable_lens_in, const at::Tensor& states_in,
-    const std::optional<at::Tensor>& seq_lens_in, int64_t max_seq_len) {
+// Where one call writes its results: [R, K], [R], [R, K], [R, K] int64, contiguous.
+struct Outputs {
+  int64_t* slots;
+  int64_t* miss_counts;
+  int64_t* miss_tokens;
+  int64_t* miss_slots;
+};
+
+// The width K of the call, once `topk` is checked (the outputs' shapes depend on it).
+using MakeOutputs = std::function<Outputs(int64_t rows, int64_t width)>;
+
+// Checks every argument and value, then updates the rows; make_outputs is asked for the
+// output buffers only once nothing can fail any more except a corrupt row.
+void run_update(at::Tensor& slot_tokens, at::Tensor& lru_window, at::Tensor& lru_deep,
+                at::Tensor& row_meta, at::Tensor& row_requests, const at::Tensor& topk_in,
+                const at::Tensor& request_ids_in, const at::Tensor& stable_lens_in,
+                const at::Tensor& states_in, const std::optional<at::Tensor>& seq_lens_in,
+                int64_t max_seq_len, const MakeOutputs& make_outputs) {
   const int64_t capacity = check_capacity(slot_tokens, "residency_update");
   const int64_t rows = slot_tokens.size(0);
   check_state(slot_tokens, "slot_tokens", {rows, capacity});
@@ -183,14 +199,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
     }
   }
 
-  at::Tensor slots = at::empty({rows, width}, topk.options());
-  at::Tensor miss_counts = at::empty({rows}, topk.options());
-  at::Tensor miss_tokens = at::empty({rows, width}, topk.options());
-  at::Tensor miss_slots = at::empty({rows, width}, topk.options());
-  int64_t* out_slots = slots.data_ptr<int64_t>();
-  int64_t* out_counts = miss_counts.data_ptr<int64_t>();
-  int64_t* out_tokens = miss_tokens.data_ptr<int64_t>();
-  int64_t* out_miss_slots = miss_slots.data_ptr<int64_t>();
+  const Outputs outputs = make_outputs(rows, width);
+  int64_t* out_slots = outputs.slots;
+  int64_t* out_counts = outputs.miss_counts;
+  int64_t* out_tokens = outputs.miss_tokens;
+  int64_t* out_miss_slots = outputs.miss_slots;
 
   // Phase 2: the update, one row per task. 64-bit offsets: R * C may exceed 2**31.
   std::vector<int8_t> status(static_cast<size_t>(rows), kOk);
@@ -227,7 +240,97 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
                       "every slot of [0, ", capacity, ") once; the row was left as it was, "
                       "reset it");
   }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
+    at::Tensor slot_tokens, at::Tensor lru_window, at::Tensor lru_deep, at::Tensor row_meta,
+    at::Tensor row_requests, const at::Tensor& topk, const at::Tensor& request_ids,
+    const at::Tensor& stable_lens, const at::Tensor& states,
+    const std::optional<at::Tensor>& seq_lens, int64_t max_seq_len) {
+  at::Tensor slots, miss_counts, miss_tokens, miss_slots;
+  run_update(slot_tokens, lru_window, lru_deep, row_meta, row_requests, topk, request_ids,
+             stable_lens, states, seq_lens, max_seq_len, [&](int64_t rows, int64_t width) {
+               const auto options = topk.options();
+               slots = at::empty({rows, width}, options);
+               miss_counts = at::empty({rows}, options);
+               miss_tokens = at::empty({rows, width}, options);
+               miss_slots = at::empty({rows, width}, options);
+               return Outputs{slots.data_ptr<int64_t>(), miss_counts.data_ptr<int64_t>(),
+                              miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int64_t>()};
+             });
   return {slots, miss_counts, miss_tokens, miss_slots};
+}
+
+// The bytes a tensor's elements can occupy, [first, last + 1), whatever its strides.
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t low = 0;
+  int64_t high = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? low : high) += reach;
+  }
+  const auto item = static_cast<int64_t>(t.element_size());
+  return {base + static_cast<uintptr_t>(low * item), base + static_cast<uintptr_t>((high + 1) * item)};
+}
+
+// An output buffer of the caller: int64, contiguous, the call's shape, and sharing no memory
+// with anything the call reads or writes (the op reads topk while it writes slots).
+struct Named {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+void check_output(const at::Tensor& out, const char* name, at::IntArrayRef shape,
+                  std::initializer_list<Named> others) {
+  check_tensor(out, name, at::kLong, static_cast<int64_t>(shape.size()));
+  TORCH_CHECK_VALUE(out.sizes() == shape, "residency_update: ", name, " must have shape ",
+                    shape, ", got ", out.sizes());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "residency_update: ", name, " must be contiguous");
+  const auto [begin, end] = byte_span(out);
+  for (const Named& other : others) {
+    const at::Tensor& t = *other.tensor;
+    if (!t.defined() || t.numel() == 0 || out.numel() == 0) continue;
+    const auto [other_begin, other_end] = byte_span(t);
+    TORCH_CHECK_VALUE(end <= other_begin || other_end <= begin, "residency_update: ", name,
+                      " shares memory with ", other.name, "; pass separate buffers");
+  }
+}
+
+// The same update, written into the caller's buffers (e.g. allocated once for a decode loop or
+// a captured graph). Every buffer is checked before anything changes.
+void residency_update_out_cpu(at::Tensor slot_tokens, at::Tensor lru_window, at::Tensor lru_deep,
+                              at::Tensor row_meta, at::Tensor row_requests,
+                              const at::Tensor& topk, const at::Tensor& request_ids,
+                              const at::Tensor& stable_lens, const at::Tensor& states,
+                              const std::optional<at::Tensor>& seq_lens, int64_t max_seq_len,
+                              at::Tensor slots, at::Tensor miss_counts, at::Tensor miss_tokens,
+                              at::Tensor miss_slots) {
+  const at::Tensor no_seq_lens;
+  const at::Tensor& lens = seq_lens.has_value() ? *seq_lens : no_seq_lens;
+  run_update(slot_tokens, lru_window, lru_deep, row_meta, row_requests, topk, request_ids,
+             stable_lens, states, seq_lens, max_seq_len, [&](int64_t rows, int64_t width) {
+               const std::initializer_list<Named> read_or_written = {
+                   {"slot_tokens", &slot_tokens}, {"lru_window", &lru_window},
+                   {"lru_deep", &lru_deep},       {"row_meta", &row_meta},
+                   {"row_requests", &row_requests}, {"topk", &topk},
+                   {"request_ids", &request_ids}, {"stable_lens", &stable_lens},
+                   {"states", &states},           {"seq_lens", &lens}};
+               check_output(slots, "out.slots", {rows, width}, read_or_written);
+               check_output(miss_counts, "out.miss_counts", {rows}, read_or_written);
+               check_output(miss_tokens, "out.miss_tokens", {rows, width}, read_or_written);
+               check_output(miss_slots, "out.miss_slots", {rows, width}, read_or_written);
+               check_output(slots, "out.slots", {rows, width},
+                            {{"out.miss_counts", &miss_counts},
+                             {"out.miss_tokens", &miss_tokens},
+                             {"out.miss_slots", &miss_slots}});
+               check_output(miss_counts, "out.miss_counts", {rows},
+                            {{"out.miss_tokens", &miss_tokens}, {"out.miss_slots", &miss_slots}});
+               check_output(miss_tokens, "out.miss_tokens", {rows, width},
+                            {{"out.miss_slots", &miss_slots}});
+               return Outputs{slots.data_ptr<int64_t>(), miss_counts.data_ptr<int64_t>(),
+                              miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int64_t>()};
+             });
 }
 
 // [R, C] int64: each row's slots, least recently used first (the deep log, then the window).
@@ -284,12 +387,18 @@ TORCH_LIBRARY_FRAGMENT(kvo, m) {
       "Tensor stable_lens, Tensor states, Tensor? seq_lens, int max_seq_len) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "residency_update_out(Tensor(a!) slot_tokens, Tensor(b!) lru_window, Tensor(c!) lru_deep, "
+      "Tensor(d!) row_meta, Tensor(e!) row_requests, Tensor topk, Tensor request_ids, "
+      "Tensor stable_lens, Tensor states, Tensor? seq_lens, int max_seq_len, Tensor(f!) slots, "
+      "Tensor(g!) miss_counts, Tensor(h!) miss_tokens, Tensor(i!) miss_slots) -> ()");
+  m.def(
       "residency_lru_order(Tensor slot_tokens, Tensor lru_window, Tensor lru_deep, "
       "Tensor row_meta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvo, CPU, m) {
   m.impl("residency_update", &kvo_residency::residency_update_cpu);
+  m.impl("residency_update_out", &kvo_residency::residency_update_out_cpu);
   m.impl("residency_lru_order", &kvo_residency::residency_lru_order_cpu);
 }
 
@@ -300,5 +409,8 @@ TORCH_LIBRARY_IMPL(kvo, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residency_update", &kvo_residency::residency_update_cpu,
         "torch.ops.kvo.residency_update without the dispatcher",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("residency_update_out", &kvo_residency::residency_update_out_cpu,
+        "torch.ops.kvo.residency_update_out without the dispatcher",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
