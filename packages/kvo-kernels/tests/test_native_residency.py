@@ -538,6 +538,24 @@ def test_the_op_checks_its_own_arguments() -> None:
         op(*state, _i64([[1]]), _i64([0]), _i64([1]), _i64([STEADY]), None, 1 << 44)
 
 
+def test_the_out_op_through_the_dispatcher_writes_what_the_allocating_one_returns() -> None:
+    fresh, into = NativeResidencyTable(2, 4), NativeResidencyTable(2, 4)
+    buffers = _buffers(2, 3)
+    for topk in ([[1, 2, 3], [4, -1, 4]], [[3, 9, 1], [5, 6, 7]]):
+        expected = fresh.update(_i64(topk), _i64([0, 1]), _i64([20, 20]))
+        torch.ops.kvo.residency_update_out(
+            into._tokens, into._window, into._deep, into._meta, into._requests, _i64(topk),
+            _i64([0, 1]), _i64([20, 20]), _i64([STEADY, STEADY]), None, into._max_seq_len,
+            buffers.slots, buffers.miss_counts, buffers.miss_tokens, buffers.miss_slots)
+        _assert_same(expected, buffers, f"top-k {topk}")
+        _assert_same_state(fresh, into, f"top-k {topk}")
+    with pytest.raises(ValueError, match=r"out\.miss_counts must have shape"):
+        torch.ops.kvo.residency_update_out(
+            into._tokens, into._window, into._deep, into._meta, into._requests, _i64(topk),
+            _i64([0, 1]), _i64([20, 20]), _i64([STEADY, STEADY]), None, into._max_seq_len,
+            buffers.slots, buffers.miss_counts[:1], buffers.miss_tokens, buffers.miss_slots)
+
+
 def test_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CXX", "kvo-no-such-compiler")
     with pytest.raises(native_build.NativeBuildError, match="kvo-no-such-compiler"):

@@ -271,16 +271,18 @@ std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
     (reach < 0 ? low : high) += reach;
   }
   const auto item = static_cast<int64_t>(t.element_size());
-  return {base + static_cast<uintptr_t>(low * item), base + static_cast<uintptr_t>((high + 1) * item)};
+  return {base + static_cast<uintptr_t>(low * item),
+          base + static_cast<uintptr_t>((high + 1) * item)};
 }
 
-// An output buffer of the caller: int64, contiguous, the call's shape, and sharing no memory
-// with anything the call reads or writes (the op reads topk while it writes slots).
+// A tensor with the name an error message gives it.
 struct Named {
   const char* name;
   const at::Tensor* tensor;
 };
 
+// An output buffer of the caller: int64, contiguous, the call's shape, and sharing no memory
+// with anything the call reads or writes (the op reads topk while it writes slots).
 void check_output(const at::Tensor& out, const char* name, at::IntArrayRef shape,
                   std::initializer_list<Named> others) {
   check_tensor(out, name, at::kLong, static_cast<int64_t>(shape.size()));
