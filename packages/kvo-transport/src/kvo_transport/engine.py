@@ -52,7 +52,13 @@ class TransferEngine(Protocol):
         remote_addrs: Sequence[int],
         lengths: Sequence[int],
     ) -> None:
-        """Copy peer memory into local memory, descriptor by descriptor; raise TransferError."""
+        """Copy peer memory into local memory, descriptor by descriptor; raise TransferError.
+
+        After a TransferError, other descriptors of the same batch may still be landing in the
+        local ranges for a while (Mooncake reports a batch failed at its first failed slice,
+        without waiting for the rest): keep those ranges allocated and registered, and do not
+        trust their contents.
+        """
         ...
 
     def write(
