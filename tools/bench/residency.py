@@ -37,10 +37,11 @@ from kvo_core.residency import (
     ResidencyTable,
     belady_min_misses,
 )
+from kvo_core.residency.state import RESULT_FIELDS
 
 TOP_K = 2048
 KEEP = 0.85
-FIELDS = ("slots", "miss_counts", "miss_tokens", "miss_slots")
+FIELDS = RESULT_FIELDS
 
 
 def load_native() -> type | None:

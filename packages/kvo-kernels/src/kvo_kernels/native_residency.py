@@ -27,12 +27,12 @@ from kvo_core.residency import (
     ResidencyOverflowError,
     ResidencyResult,
 )
+from kvo_core.residency.inputs import out_buffers
 from kvo_kernels.native_build import load_native_ops
 
 _I64 = torch.int64
 _CPU = torch.device("cpu")
 _OVERFLOW_PREFIX = "residency overflow: "
-_OUT_FIELDS = ("slots", "miss_counts", "miss_tokens", "miss_slots")
 SLOT_BITS = 20
 MAX_CAPACITY = 1 << SLOT_BITS
 """The largest capacity the op takes (an entry packs its slot in 20 bits)."""
@@ -165,7 +165,7 @@ class NativeResidencyTable:
         """
         if states is None:
             states = self._steady
-        buffers = None if out is None else _out_buffers(out)
+        buffers = None if out is None else out_buffers(out)  # the op checks the rest
         try:
             if buffers is None:
                 slots, miss_counts, miss_tokens, miss_slots = self._op(
@@ -203,19 +203,6 @@ class NativeResidencyTable:
         _row_tensor("states", states, 1, rows)
         if seq_lens is not None:
             _row_tensor("seq_lens", seq_lens, 1, rows)
-
-
-def _out_buffers(out: object) -> tuple[torch.Tensor, ...]:
-    """The four buffers of ``out`` (shapes, dtypes and overlaps: the op checks them)."""
-    if not isinstance(out, ResidencyResult):
-        raise ResidencyInputError(
-            f"out must be a ResidencyResult of buffers, got {type(out).__name__}")
-    buffers = tuple(getattr(out, name) for name in _OUT_FIELDS)
-    for name, buffer in zip(_OUT_FIELDS, buffers, strict=True):
-        if not isinstance(buffer, torch.Tensor):
-            raise ResidencyInputError(
-                f"out.{name} must be a torch.Tensor, got {type(buffer).__name__}")
-    return buffers
 
 
 def pack(token: int | torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,10 @@ class LibraryTransferEngine(RegionOwner):
         """What to check when a batch transfer fails and the library gave no reason."""
         return ""
 
+    def _failure_note(self) -> str:
+        """What the caller must know about a failed batch's local ranges, if anything."""
+        return ""
+
     def _release(self, engine: Any) -> None:
         """Free the library engine at close, after every region was unregistered."""
 
@@ -105,8 +109,10 @@ class LibraryTransferEngine(RegionOwner):
     def _failed(self, direction: str, batch: TransferBatch, rc: int, mark: int) -> TransferError:
         reason = self._reason_since(mark)
         detail = _colon(reason) if reason else f" {self._transfer_hint()}".rstrip()
+        note = self._failure_note()
         return TransferError(f"{self._label} ({self.protocol}) batch {direction} "
-                             f"{batch.describe()} failed with return code {rc}{detail}")
+                             f"{batch.describe()} failed with return code {rc}{detail}"
+                             f"{'; ' + note if note else ''}")
 
     def _drop_region(self, region: MemoryRegion) -> None:
         self._engine.unregister_memory(region.ptr)

@@ -104,22 +104,15 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
     return CheckedUpdate(states_t, in_range, max_token)
 
 
-def check_out(out: object, rows: int, width: int, device: torch.device) -> ResidencyResult:
+def check_out(out: object, rows: int, width: int, device: torch.device) -> None:
     """The caller's output buffers of an update, checked before anything changes.
 
     int64 tensors on the table's device shaped like the result ([R, K], [R], [R, K], [R, K]),
     no two sharing memory (each is written whole).
     """
-    if not isinstance(out, ResidencyResult):
-        raise ResidencyInputError(
-            f"out must be a ResidencyResult of buffers, got {type(out).__name__}")
     spans = []
-    for name in RESULT_FIELDS:
-        buffer = getattr(out, name)
+    for name, buffer in zip(RESULT_FIELDS, out_buffers(out), strict=True):
         shape = [rows] if name == "miss_counts" else [rows, width]
-        if not isinstance(buffer, torch.Tensor):
-            raise ResidencyInputError(
-                f"out.{name} must be a torch.Tensor, got {type(buffer).__name__}")
         if buffer.dtype != torch.int64 or list(buffer.shape) != shape:
             raise ResidencyInputError(
                 f"out.{name} must be int64 of shape {shape}, got {buffer.dtype} "
@@ -133,7 +126,19 @@ def check_out(out: object, rows: int, width: int, device: torch.device) -> Resid
             if begin < other_end and other_begin < end:
                 raise ResidencyInputError(
                     f"out.{name} shares memory with out.{other}; pass separate buffers")
-    return out
+
+
+def out_buffers(out: object) -> tuple[torch.Tensor, ...]:
+    """The four tensors of an ``out`` argument, in RESULT_FIELDS order (types checked only)."""
+    if not isinstance(out, ResidencyResult):
+        raise ResidencyInputError(
+            f"out must be a ResidencyResult of buffers, got {type(out).__name__}")
+    buffers = tuple(getattr(out, name) for name in RESULT_FIELDS)
+    for name, buffer in zip(RESULT_FIELDS, buffers, strict=True):
+        if not isinstance(buffer, torch.Tensor):
+            raise ResidencyInputError(
+                f"out.{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    return buffers
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

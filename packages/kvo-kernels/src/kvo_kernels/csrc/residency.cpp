@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
@@ -284,7 +283,7 @@ struct Named {
 // An output buffer of the caller: int64, contiguous, the call's shape, and sharing no memory
 // with anything the call reads or writes (the op reads topk while it writes slots).
 void check_output(const at::Tensor& out, const char* name, at::IntArrayRef shape,
-                  std::initializer_list<Named> others) {
+                  const std::vector<Named>& others) {
   check_tensor(out, name, at::kLong, static_cast<int64_t>(shape.size()));
   TORCH_CHECK_VALUE(out.sizes() == shape, "residency_update: ", name, " must have shape ",
                     shape, ", got ", out.sizes());
@@ -312,24 +311,24 @@ void residency_update_out_cpu(at::Tensor slot_tokens, at::Tensor lru_window, at:
   const at::Tensor& lens = seq_lens.has_value() ? *seq_lens : no_seq_lens;
   run_update(slot_tokens, lru_window, lru_deep, row_meta, row_requests, topk, request_ids,
              stable_lens, states, seq_lens, max_seq_len, [&](int64_t rows, int64_t width) {
-               const std::initializer_list<Named> read_or_written = {
+               // Each buffer against everything the call reads or writes, and the buffers
+               // after it (checked last to first, so each pair once).
+               std::vector<Named> others = {
                    {"slot_tokens", &slot_tokens}, {"lru_window", &lru_window},
                    {"lru_deep", &lru_deep},       {"row_meta", &row_meta},
                    {"row_requests", &row_requests}, {"topk", &topk},
                    {"request_ids", &request_ids}, {"stable_lens", &stable_lens},
                    {"states", &states},           {"seq_lens", &lens}};
-               check_output(slots, "out.slots", {rows, width}, read_or_written);
-               check_output(miss_counts, "out.miss_counts", {rows}, read_or_written);
-               check_output(miss_tokens, "out.miss_tokens", {rows, width}, read_or_written);
-               check_output(miss_slots, "out.miss_slots", {rows, width}, read_or_written);
-               check_output(slots, "out.slots", {rows, width},
-                            {{"out.miss_counts", &miss_counts},
-                             {"out.miss_tokens", &miss_tokens},
-                             {"out.miss_slots", &miss_slots}});
-               check_output(miss_counts, "out.miss_counts", {rows},
-                            {{"out.miss_tokens", &miss_tokens}, {"out.miss_slots", &miss_slots}});
-               check_output(miss_tokens, "out.miss_tokens", {rows, width},
-                            {{"out.miss_slots", &miss_slots}});
+               const Named outputs[] = {{"out.slots", &slots},
+                                        {"out.miss_counts", &miss_counts},
+                                        {"out.miss_tokens", &miss_tokens},
+                                        {"out.miss_slots", &miss_slots}};
+               for (int i = 3; i >= 0; --i) {
+                 const std::vector<int64_t> shape =
+                     i == 1 ? std::vector<int64_t>{rows} : std::vector<int64_t>{rows, width};
+                 check_output(*outputs[i].tensor, outputs[i].name, shape, others);
+                 others.push_back(outputs[i]);
+               }
                return Outputs{slots.data_ptr<int64_t>(), miss_counts.data_ptr<int64_t>(),
                               miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int64_t>()};
              });
