@@ -9,6 +9,7 @@ in the dict are exactly the field names.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -38,7 +39,19 @@ _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 # -- validators: each error names the field, the value and what is allowed -----------------
 
-def _int_in(minimum: int, maximum: int | None = None) -> _Validator:
+@attrs.frozen
+class Described:
+    """A field validator that can also say what it allows, so documentation (the README's
+    table of config keys) is generated from the same object that enforces the rule."""
+
+    allowed: str
+    check: _Validator
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        self.check(instance, attribute, value)
+
+
+def _int_in(minimum: int, maximum: int | None = None) -> Described:
     allowed = (f"an integer >= {minimum}" if maximum is None
                else f"an integer in [{minimum}, {maximum}]")
 
@@ -46,24 +59,24 @@ def _int_in(minimum: int, maximum: int | None = None) -> _Validator:
         if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
                 or (maximum is not None and value > maximum)):
             raise ConfigError(f"{attribute.name} must be {allowed}, got {value!r}")
-    return check
+    return Described(allowed, check)
 
 
-def _optional_int_in(minimum: int) -> _Validator:
+def _optional_int_in(minimum: int) -> Described:
     inner = _int_in(minimum)
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is not None:
             inner(instance, attribute, value)
-    return check
+    return Described(f"null or {inner.allowed}", check)
 
 
-def _one_of(choices: tuple[str, ...]) -> _Validator:
+def _one_of(choices: tuple[str, ...]) -> Described:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in choices:
             raise ConfigError(f"{attribute.name} must be one of {', '.join(choices)}; "
                               f"got {value!r}")
-    return check
+    return Described("one of " + ", ".join(repr(c) for c in choices), check)
 
 
 def _to_float(value: Any) -> Any:
@@ -73,26 +86,34 @@ def _to_float(value: Any) -> Any:
     return value
 
 
-def _positive_float(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_positive_float(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, float) or not value > 0 or value == float("inf"):
         raise ConfigError(f"{attribute.name} must be a finite number of seconds > 0, "
                           f"got {value!r}")
 
 
-def _non_negative_float(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_non_negative_float(instance: Any, attribute: attrs.Attribute[Any],
+                              value: Any) -> None:
     if not isinstance(value, float) or not value >= 0 or value == float("inf"):
         raise ConfigError(f"{attribute.name} must be a finite number of seconds >= 0, "
                           f"got {value!r}")
 
 
-def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{attribute.name} must be a non-empty string, got {value!r}")
 
 
-def _optional_non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_optional_non_empty_str(instance: Any, attribute: attrs.Attribute[Any],
+                                  value: Any) -> None:
     if value is not None:
-        _non_empty_str(instance, attribute, value)
+        _check_non_empty_str(instance, attribute, value)
+
+
+_positive_float = Described("a finite number of seconds > 0", _check_positive_float)
+_non_negative_float = Described("a finite number of seconds >= 0", _check_non_negative_float)
+_non_empty_str = Described("a non-empty string", _check_non_empty_str)
+_optional_non_empty_str = Described("null or a non-empty string", _check_optional_non_empty_str)
 
 
 def _to_independent_layers(value: Any) -> Any:
@@ -102,8 +123,13 @@ def _to_independent_layers(value: Any) -> Any:
     return value
 
 
-def _independent_layers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    allowed = "a list of layer indices (integers; negative counts from the end) or 'all'"
+_INDEPENDENT_LAYERS_ALLOWED = ("a list of layer indices (integers; negative counts from the "
+                               "end) or 'all'")
+
+
+def _check_independent_layers(instance: Any, attribute: attrs.Attribute[Any],
+                              value: Any) -> None:
+    allowed = _INDEPENDENT_LAYERS_ALLOWED
     if value == "all":
         return
     if not isinstance(value, tuple):
@@ -114,6 +140,36 @@ def _independent_layers(instance: Any, attribute: attrs.Attribute[Any], value: A
                               f"{list(value)!r} is not an integer")
     if len(set(value)) != len(value):
         raise ConfigError(f"{attribute.name} must list each layer once, got {list(value)!r}")
+
+
+_independent_layers = Described(_INDEPENDENT_LAYERS_ALLOWED, _check_independent_layers)
+
+
+# -- documentation of the keys, generated from the fields ----------------------------------
+
+@attrs.frozen
+class ConfigKey:
+    """One key of a config class as users write it: name, default (as JSON) and what is
+    allowed."""
+
+    name: str
+    default: str
+    allowed: str
+
+
+def config_keys(cls: type[attrs.AttrsInstance]) -> list[ConfigKey]:
+    """The keys of a config class, in declaration order, described from its validators."""
+    keys = []
+    for field in attrs.fields(cls):
+        if field.default is attrs.NOTHING:
+            default = "required"
+        else:
+            value = field.default
+            default = json.dumps(list(value) if isinstance(value, tuple) else value)
+        validator = field.validator
+        allowed = validator.allowed if isinstance(validator, Described) else "any value"
+        keys.append(ConfigKey(field.name, default, allowed))
+    return keys
 
 
 # -- building from vLLM's kv_connector_extra_config -----------------------------------------
