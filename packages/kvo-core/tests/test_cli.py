@@ -62,6 +62,8 @@ def test_json_matches_hand_computation(capsys: pytest.CaptureFixture[str],
     assert sparse["hot_buffer_device_bytes"] == 2 * 64 * 4 * 128  # rows x capacity x layers x row
     assert sparse["device_bytes"] == 65536 + 65536
     assert sparse["host_bytes"] == 4 * tokens * 128  # 262144
+    assert sparse["device_ratio"] == pytest.approx((65536 + 65536) / full)
+    assert sparse["main_kv_device_ratio"] == pytest.approx(65536 / (4 * tokens * 128))
     step = sparse["per_step_transfer"]
     assert step["row_bytes"] == 128
     assert step["worst_case_bytes"] == 2 * 4 * 32 * 128  # rows x layers x top-k x row
@@ -85,6 +87,7 @@ def test_table_shows_the_same_numbers(capsys: pytest.CaptureFixture[str],
     assert "128.00 KiB" in row("sparse decode offload") and "256.00 KiB" in row("sparse decode")
     assert "2 physical buffers for 4 layers" in out
     assert "footprint ratio 0.5000" in out
+    assert "device KV ratio offload/none 0.4000 (main KV alone 0.2500)" in out
     assert "32.00 KiB" in row("  worst case")
     assert "12.50% of full reload" in row("  worst case")
     assert "256.00 KiB" in row("  full-layer reload")

@@ -204,6 +204,8 @@ def format_table(report: PlanReport) -> str:
             f"sparse decode device: indexer {human_bytes(sparse.indexer_device_bytes)} + hot "
             f"buffers {human_bytes(sparse.hot_buffer_device_bytes)} ({transfer.rows} rows x "
             f"{sparse.hot_capacity} tokens x {transfer.layers} layers)",
+            f"                      device KV ratio offload/none {report.decode_device_ratio:.4f}"
+            f" (main KV alone {report.decode_main_kv_ratio:.4f})",
             "",
             f"decode transfer per step (decode rank, {transfer.rows} rows x {transfer.layers} "
             f"layers, {transfer.row_bytes} B per main-KV row, top-k {transfer.top_k}):",

@@ -134,6 +134,22 @@ class PlanReport:
     assumptions: tuple[str, ...]
     notes: tuple[str, ...]
 
+    @property
+    def decode_device_ratio(self) -> float | None:
+        """Decode rank's device KV with sparse offload / without (indexer included)."""
+        if self.sparse_decode is None or not self.no_offload_decode.device_bytes:
+            return None
+        return self.sparse_decode.memory.device_bytes / self.no_offload_decode.device_bytes
+
+    @property
+    def decode_main_kv_ratio(self) -> float | None:
+        """Decode rank's device main KV with sparse offload (hot buffers) / without."""
+        if self.sparse_decode is None:
+            return None
+        full_main = (self.no_offload_decode.device_bytes
+                     - self.sparse_decode.indexer_device_bytes)
+        return self.sparse_decode.hot_buffer_device_bytes / full_main if full_main else None
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready data (bytes as integers)."""
         model = self.inputs.model
@@ -184,6 +200,8 @@ class PlanReport:
                 "indexer_device_bytes": self.sparse_decode.indexer_device_bytes,
                 "hot_buffer_device_bytes": self.sparse_decode.hot_buffer_device_bytes,
                 "hot_capacity": self.sparse_decode.hot_capacity,
+                "device_ratio": self.decode_device_ratio,
+                "main_kv_device_ratio": self.decode_main_kv_ratio,
                 "per_step_transfer": attrs.asdict(self.sparse_decode.transfer),
             },
             "sparse_decode_not_applicable": self.not_applicable,
