@@ -3,7 +3,9 @@
 What prefill waits for per layer when there is nothing to read: publish_layer -> ZMQ -> decode
 validates and answers -> the answer opens the slot gate. Measured both ways the answer can reach
 the waiter (``measure_roundtrip``), next to a bare pyzmq ping-pong between the same two
-processes, so the table says what kvo adds to what ZMQ costs on this host at this moment. The
+processes, so the table says what kvo adds to what ZMQ costs on this host at this moment;
+``kvo_pump_auth`` is the pumped round trip with a control secret (every frame MACed, see
+kvo_transport.frame_auth). The
 decode rank runs in its own process, as in production. Needs a loopback-only network namespace
 (Mooncake engines are started on both sides); ``tools/bench/transport.py`` calls
 ``measure_roundtrip``; run this file directly for the number alone.
@@ -28,7 +30,7 @@ import zmq
 
 BLOCK_BYTES = 4096
 NUM_BLOCKS = 4
-
+BENCH_SECRET = "bench control secret (not a real one)"
 
 
 def _decode_main(ready: Any, stop: Any) -> None:
@@ -50,8 +52,10 @@ def _decode_main(ready: Any, stop: Any) -> None:
     echo_port = echo.bind_to_random_port("tcp://127.0.0.1")
     thread = threading.Thread(target=_echo, args=(echo, stop), daemon=True)
     thread.start()
-    with DecodeReceiver(engine=engine, layout=layout, resolve=lambda rid: None) as receiver:
-        ready.put((receiver.endpoint, f"tcp://127.0.0.1:{echo_port}"))
+    with DecodeReceiver(engine=engine, layout=layout, resolve=lambda rid: None) as receiver, \
+            DecodeReceiver(engine=engine, layout=layout, resolve=lambda rid: None,
+                           control_secret=BENCH_SECRET) as authenticated:
+        ready.put((receiver.endpoint, f"tcp://127.0.0.1:{echo_port}", authenticated.endpoint))
         stop.wait(600)
     thread.join(5)
     echo.close()
@@ -92,14 +96,15 @@ class _RawPeer:
         self.context.term()
 
 
-MODES = ("kvo_pump", "kvo_io_thread", "raw_zmq")
+MODES = ("kvo_pump", "kvo_pump_auth", "kvo_io_thread", "raw_zmq")
 
 
 def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
     """Time ``n`` empty-layer READY -> DONE round trips per mode; latencies in microseconds.
 
     Modes: kvo with the waiter pumping (``kvo_pump``, how kvo's layer pipeline waits), kvo
-    with the I/O thread handing answers over (``kvo_io_thread``), and the bare pyzmq
+    with the I/O thread handing answers over (``kvo_io_thread``), kvo pumped with every frame
+    authenticated (``kvo_pump_auth``), and the bare pyzmq
     DEALER/ROUTER ping-pong between the same two processes (``raw_zmq``: the floor).
     """
     from kvo_core.gates import SlotGates
@@ -123,11 +128,18 @@ def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
     publisher = PrefillPublisher.for_engine(
         engine, instance_id="bench", prefill_tp=1, p_rank=0, decode_tp=1, layers=[layer],
         gates=gates, handshake_timeout_s=60.0, layer_deadline_s=10.0)
+    auth_gates = SlotGates()
+    auth_publisher = PrefillPublisher.for_engine(
+        engine, instance_id="bench-auth", prefill_tp=1, p_rank=0, decode_tp=1, layers=[layer],
+        gates=auth_gates, handshake_timeout_s=60.0, layer_deadline_s=10.0,
+        control_secret=BENCH_SECRET)
+    auth_gates.attach_pump(auth_publisher)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     raw: _RawPeer | None = None
     try:
-        endpoint, echo_endpoint = ready.get(timeout=120)
+        endpoint, echo_endpoint, auth_endpoint = ready.get(timeout=120)
         publisher.connect(endpoint)
+        auth_publisher.connect(auth_endpoint)
         raw = _RawPeer(echo_endpoint)
         key = (ptr,)
 
@@ -135,19 +147,26 @@ def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
             publisher.publish_layer(0, key, {endpoint: []})
             gates.wait(key, 10.0)
 
+        def kvo_auth_round_trip() -> None:
+            auth_publisher.publish_layer(0, key, {auth_endpoint: []})
+            auth_gates.wait(key, 10.0)
+
         # The modes alternate in blocks, so that load changes hit all of them alike.
         block = 100
         for i in range(len(MODES) * ((warmup + n) // block + 1)):
             mode = MODES[i % len(MODES)]
             gates.attach_pump(publisher if mode == "kvo_pump" else None)
-            run = raw.round_trip if mode == "raw_zmq" else kvo_round_trip
+            run = {"raw_zmq": raw.round_trip,
+                   "kvo_pump_auth": kvo_auth_round_trip}.get(mode, kvo_round_trip)
             for _ in range(block):
                 started = time.perf_counter()
                 run()
                 samples[mode].append((time.perf_counter() - started) * 1e6)
     finally:
         gates.attach_pump(None)
+        auth_gates.attach_pump(None)
         publisher.close()
+        auth_publisher.close()
         if raw is not None:
             raw.close()
         stop.set()
@@ -159,6 +178,7 @@ def measure_roundtrip(n: int, warmup: int = 200) -> dict[str, float]:
     for mode in MODES:
         result.update(_stats(samples[mode][warmup:], mode))
     result["kvo_pump_over_raw_p50"] = result["kvo_pump_p50_us"] / result["raw_zmq_p50_us"]
+    result["auth_over_plain_p50"] = result["kvo_pump_auth_p50_us"] / result["kvo_pump_p50_us"]
     return result
 
 

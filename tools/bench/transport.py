@@ -236,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     if roundtrip is not None:
         print("READY->DONE round trip (empty layer; target: kvo p50 < 300 us)")
         print(f"{'mode':<16}{'p50 us':>9}{'p99 us':>9}{'min us':>9}")
-        for mode in ("kvo_pump", "kvo_io_thread", "raw_zmq"):
+        for mode in ("kvo_pump", "kvo_pump_auth", "kvo_io_thread", "raw_zmq"):
             print(f"{mode:<16}{roundtrip[mode + '_p50_us']:>9.0f}"
                   f"{roundtrip[mode + '_p99_us']:>9.0f}{roundtrip[mode + '_min_us']:>9.0f}")
-        print(f"kvo_pump / raw_zmq p50: {roundtrip['kvo_pump_over_raw_p50']:.2f}")
+        print(f"kvo_pump / raw_zmq p50: {roundtrip['kvo_pump_over_raw_p50']:.2f}; "
+              f"authenticated / plain p50: {roundtrip['auth_over_plain_p50']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"pull": rows, "control_roundtrip": roundtrip}, indent=2))
     return 0

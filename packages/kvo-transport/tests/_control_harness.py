@@ -184,6 +184,7 @@ class DecodeSpec:
     fail_first_reads: int = 0
     stall_request: str | None = None
     max_frame_bytes: int = 1 << 20
+    control_secret: str | None = None
 
 
 class FlakyEngine:
@@ -238,7 +239,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                               resolve=resolve, decode_tp=spec.decode_tp, d_rank=spec.d_rank,
                               read_retries=spec.read_retries,
                               retry_backoff_s=spec.retry_backoff_s,
-                              max_frame_bytes=spec.max_frame_bytes)
+                              max_frame_bytes=spec.max_frame_bytes,
+                              control_secret=spec.control_secret)
     receiver.start()
     events.put(("ready", receiver.endpoint, engine.session_id))
     finished: set[str] = set()
@@ -256,6 +258,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                         receiver.rejected_frames, engine.reads))
         elif command == "closed_connections":
             events.put(("closed_connections", receiver.closed_connections))
+        elif command == "auth_rejections":
+            events.put(("auth_rejections", receiver.auth_rejections.as_dict()))
         elif command == "stop":
             receiver.close()
             buffer.close()
@@ -296,6 +300,12 @@ class DecodeProcess:
         event = self.next_event(30)
         assert event[0] == "closed_connections", event
         return int(event[1])
+
+    def auth_rejections(self) -> dict[str, int]:
+        self.commands.put("auth_rejections")
+        event = self.next_event(30)
+        assert event[0] == "auth_rejections", event
+        return dict(event[1])
 
     def wait_terminal(self, request_ids: Sequence[str], timeout: float = 20.0
                       ) -> tuple[list[str], dict[str, str], dict[str, Any], int, int]:

@@ -32,6 +32,9 @@ MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 INDEXER_KV_DTYPES = ("bfloat16", "int8")
 KERNEL_BACKENDS = ("auto", "reference", "triton", "native")
 RESIDENCY_BACKENDS = ("torch", "native")
+CONTROL_SECRET_ENV = "KVO_CONTROL_SECRET"
+"""Environment variable holding the control plane's shared secret (the config key wins)."""
+MIN_CONTROL_SECRET_CHARS = 16
 
 _T = TypeVar("_T", bound=attrs.AttrsInstance)
 _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
@@ -114,6 +117,23 @@ _positive_float = Described("a finite number of seconds > 0", _check_positive_fl
 _non_negative_float = Described("a finite number of seconds >= 0", _check_non_negative_float)
 _non_empty_str = Described("a non-empty string", _check_non_empty_str)
 _optional_non_empty_str = Described("null or a non-empty string", _check_optional_non_empty_str)
+
+
+def _check_optional_secret(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A secret is never echoed back: the message names its type and length only."""
+    if value is None:
+        return
+    if not isinstance(value, str) or len(value.encode()) < MIN_CONTROL_SECRET_CHARS:
+        shown = (f"{len(value.encode())} characters" if isinstance(value, str)
+                 else type(value).__name__)
+        raise ConfigError(f"{attribute.name} must be a string of at least "
+                          f"{MIN_CONTROL_SECRET_CHARS} characters (or absent, to use "
+                          f"{CONTROL_SECRET_ENV}), got {shown}")
+
+
+_optional_secret = Described(
+    f"null (then ${CONTROL_SECRET_ENV}, else unauthenticated: loopback only) or a string of "
+    f">= {MIN_CONTROL_SECRET_CHARS} characters", _check_optional_secret)
 
 
 def _to_independent_layers(value: Any) -> Any:
@@ -294,6 +314,9 @@ class RemoteD2HConfig:
     completion (all reads acknowledged); a failed read is retried up to ``read_retries`` times,
     ``retry_backoff_s`` apart. ``memfabric_transfer_protocol`` only matters for the memfabric
     backend and must be equal on prefill and decode; ``mooncake_protocol`` likewise for mooncake.
+    ``control_secret`` authenticates every control frame (HMAC-SHA256, kvo_transport.frame_auth);
+    when absent, the ``KVO_CONTROL_SECRET`` environment variable is used; with neither, the
+    control socket is refused on a non-loopback ``local_hostname``. It is kept out of ``repr``.
     """
 
     kv_port: int = attrs.field(validator=_int_in(1, 65535))
@@ -309,6 +332,8 @@ class RemoteD2HConfig:
                                                    validator=_one_of(MEMFABRIC_PROTOCOLS))
     mooncake_protocol: str = attrs.field(default="tcp", validator=_one_of(MOONCAKE_PROTOCOLS))
     local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
+    control_secret: str | None = attrs.field(default=None, repr=False,
+                                             validator=_optional_secret)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *,

@@ -20,11 +20,20 @@ import attrs
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvo_core.config import CONTROL_SECRET_ENV
 from kvo_core.errors import KvoError
 from kvo_core.gates import RequestCompletionTracker
 from kvo_core.tp import TPMapping
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import ProtocolError, TransferError
+from kvo_transport.frame_auth import (
+    DecodeSessions,
+    FrameRejectedError,
+    Kind,
+    Rejection,
+    control_key,
+    require_secret_beyond_loopback,
+)
 from kvo_transport.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -101,18 +110,26 @@ class DecodeReceiver:
     request id to its destination blocks. ``pop_finished`` tells which requests reached a
     terminal state on this rank: every contributor delivered every layer (finished) or some
     part failed (failed, with the first reason). Bind ``port=0`` for an ephemeral port.
+    ``control_secret`` (else ``$KVO_CONTROL_SECRET``) authenticates every frame (frame_auth);
+    without one, binding a non-loopback ``host`` is refused (ConfigError).
     """
 
     def __init__(self, *, engine: TransferEngine, layout: DecodeLayout, resolve: Resolver,
                  decode_tp: int = 1, d_rank: int = 0, host: str = "127.0.0.1", port: int = 0,
                  read_retries: int = 2, retry_backoff_s: float = 0.05,
                  max_frame_bytes: int = MAX_FRAME_BYTES,
-                 on_invalid: InvalidCallback | None = None) -> None:
+                 on_invalid: InvalidCallback | None = None,
+                 control_secret: str | None = None) -> None:
         if not isinstance(read_retries, int) or read_retries < 0:
             raise ValueError(f"read_retries must be an integer >= 0, got {read_retries!r}")
         if not retry_backoff_s >= 0:
             raise ValueError(f"retry_backoff_s must be >= 0 seconds, got {retry_backoff_s!r}")
         TPMapping(decode_tp, decode_tp).contributors(d_rank)  # range-checks d_rank
+        key = control_key(control_secret)
+        require_secret_beyond_loopback(key, host, f"decode rank {d_rank} control socket")
+        self._auth = DecodeSessions(key)
+        self.auth_rejections = self._auth.counters
+        """Frames refused by authentication, by reason (also counted in rejected_frames)."""
         self._engine = engine
         self._layout = layout
         self._resolve = resolve
@@ -270,28 +287,68 @@ class DecodeReceiver:
                         self.endpoint, len(parts) - 1, _peer_name(identity))
             return
         try:
-            message = self._decoder.decode(parts[1])
+            kind, frame = self._auth.open(identity, parts[1])
+        except FrameRejectedError as exc:
+            self._on_rejected(identity, parts[1], exc)
+            return
+        try:
+            message = self._decoder.decode(frame)
         except ProtocolError as exc:
             self.rejected_frames += 1
             log.warning("decode %s: dropping frame from peer %r: %s", self.endpoint,
                         _peer_name(identity), exc)
             return
-        if isinstance(message, MfMeta):
+        # With a secret, a handshake travels only in a HELLO and a READY only in its session.
+        handshake = kind is Kind.HELLO or not self._auth.authenticated
+        ready = kind is Kind.TO_DECODE
+        if isinstance(message, MfMeta) and handshake:
             self._on_handshake(identity, message)
-        elif isinstance(message, ReadReadyBatch):
+        elif isinstance(message, ReadReadyBatch) and ready:
             self._on_ready(identity, message)
         else:
             self.rejected_frames += 1
-            log.warning("decode %s: dropping %s from peer %r: not a prefill -> decode message",
-                        self.endpoint, type(message).__name__, _peer_name(identity))
+            log.warning("decode %s: dropping %s from peer %r: not a prefill -> decode message "
+                        "(or in the wrong envelope)", self.endpoint, type(message).__name__,
+                        _peer_name(identity))
+
+    def _on_rejected(self, identity: bytes, frame: bytes, error: FrameRejectedError) -> None:
+        """Count and log a frame that failed authentication; nothing in it is acted on, except
+        two answers that leak nothing: RESET to a session this rank does not know (the prefill
+        handshakes again) and a plain refusal of a plain handshake (names the missing secret)."""
+        self.rejected_frames += 1
+        log.warning("decode %s: refused a control frame from peer %r (%d refused so far: %s): "
+                    "%s", self.endpoint, _peer_name(identity), self.auth_rejections.total,
+                    self.auth_rejections.as_dict(), error)
+        if error.rejection is Rejection.WRONG_SESSION and error.session:
+            self._send(identity, self._auth.seal_reset(error.session, error.seq), "RESET")
+        elif error.rejection is Rejection.MISSING_MAC and _is_handshake(frame):
+            reason = (f"this decode authenticates its control plane: set the same control "
+                      f"secret on the prefill (kv_connector_extra_config 'control_secret' or "
+                      f"{CONTROL_SECRET_ENV})")
+            self._send(identity, encode(HandshakeAnswer(version=PROTOCOL_VERSION,
+                                                        accepted=False, reason=reason)),
+                       "HANDSHAKE_ANSWER")
 
     def _reply(self, identity: bytes, message: HandshakeAnswer | ReadDone | ReadFailed) -> None:
+        payload = encode(message)
+        frame: bytes | None
+        if isinstance(message, HandshakeAnswer):
+            frame = self._auth.seal_welcome(identity, payload, accepted=message.accepted)
+        else:
+            frame = self._auth.seal(identity, payload)
+        if frame is None:
+            log.warning("decode %s: no control session with peer %r any more; %s not sent",
+                        self.endpoint, _peer_name(identity), type(message).__name__)
+            return
+        self._send(identity, frame, type(message).__name__)
+
+    def _send(self, identity: bytes, frame: bytes, what: str) -> None:
         try:
             self._router.send(identity, _SNDMORE_NOBLOCK)
-            self._router.send(encode(message), _NOBLOCK)
+            self._router.send(frame, _NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("decode %s: cannot answer peer %r (%s): %s", self.endpoint,
-                        _peer_name(identity), type(message).__name__, exc)
+                        _peer_name(identity), what, exc)
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -486,6 +543,13 @@ def decode_control_endpoint(host: str, kv_port: int, dp_rank: int, tp_rank: int,
     from kvo_core.tp import control_port
 
     return f"tcp://{host}:{control_port(kv_port, dp_rank, tp_rank, decode_tp_size)}"
+
+
+def _is_handshake(frame: bytes) -> bool:
+    try:
+        return isinstance(FrameDecoder().decode(frame), MfMeta)
+    except ProtocolError:
+        return False
 
 
 def _part(instance_id: str, p_rank: int) -> str:

@@ -35,6 +35,16 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, ProtocolError
+from kvo_transport.frame_auth import (
+    OVERHEAD,
+    AuthCounters,
+    FrameRejectedError,
+    Kind,
+    PrefillChannel,
+    control_key,
+    endpoint_host,
+    require_secret_beyond_loopback,
+)
 from kvo_transport.protocol import (
     MAX_BLOCK_IDS_PER_REQUEST,
     MAX_FRAME_BYTES,
@@ -86,6 +96,8 @@ class _Connection:
     endpoint: str
     socket: zmq.Socket[bytes]
     fd: int
+    channel: PrefillChannel
+    """Seals and opens this connection's frames (frame_auth); used under ``lock``."""
     lock: threading.Lock = attrs.Factory(threading.Lock)
     closed: bool = False
 
@@ -130,6 +142,8 @@ class PrefillPublisher:
     table the layer pipeline waits on; ``tracker`` (optional) receives per-request completion
     under the part name ``request_part`` (expected automatically unless ``auto_expect`` is
     False, in which case the caller expects it together with its own parts).
+    ``control_secret`` (else ``$KVO_CONTROL_SECRET``) authenticates every frame (frame_auth);
+    without one, only loopback decode endpoints are accepted.
     """
 
     def __init__(self, *, engine_session_id: str, backend: str, transfer_protocol: str,
@@ -138,7 +152,7 @@ class PrefillPublisher:
                  tracker: RequestCompletionTracker | None = None,
                  handshake_timeout_s: float = 100.0, layer_deadline_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, request_part: str = "remote-read",
-                 auto_expect: bool = True) -> None:
+                 auto_expect: bool = True, control_secret: str | None = None) -> None:
         for name, value in (("handshake_timeout_s", handshake_timeout_s),
                             ("layer_deadline_s", layer_deadline_s)):
             if not value > 0:
@@ -166,6 +180,9 @@ class PrefillPublisher:
         self._request_part = request_part
         self._auto_expect = auto_expect
         self._label = f"{instance_id} rank {p_rank}/{prefill_tp}"
+        self._control_key = control_key(control_secret)
+        self.auth_rejections = AuthCounters()
+        """Answer frames refused by authentication, by reason."""
 
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
@@ -215,6 +232,9 @@ class PrefillPublisher:
                 return peer  # the common case: already shaken hands
             fresh = peer is None
             if peer is None:
+                require_secret_beyond_loopback(
+                    self._control_key, endpoint_host(endpoint),
+                    f"prefill {self._label} connecting to decode control endpoint {endpoint}")
                 peer = _Peer(endpoint=endpoint, connection=self._open(endpoint))
                 self._peers[endpoint] = peer
                 self._new_connections.append(peer.connection)
@@ -222,13 +242,13 @@ class PrefillPublisher:
             log.info("prefill %s: handshake with %s (%d layers, engine %s)", self._label,
                      endpoint, len(self.layers), self.meta.engine_session_id)
             self._wake()
-            self._send(peer.connection, self._meta_frame)
+            self._send(peer.connection, self._meta_frame, hello=True)
         if not peer.answered.wait(timeout):
             self._drop_peer(peer)
             raise HandshakeTimeoutError(
                 f"decode control endpoint {endpoint} did not answer the MF_META handshake of "
                 f"prefill {self._label} within {timeout:g} s (is the decode rank running and "
-                f"listening on that port?)")
+                f"listening on that port, with the same control secret?)")
         answer = peer.answer
         if answer is None:  # dropped by a concurrent caller or by close()
             raise HandshakeRejectedError(f"handshake with {endpoint} was abandoned")
@@ -252,7 +272,8 @@ class PrefillPublisher:
                           f"{self._label}/{os.urandom(4).hex()}".encode()[:255])
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         socket.connect(endpoint)
-        return _Connection(endpoint=endpoint, socket=socket, fd=socket.getsockopt(_FD))
+        return _Connection(endpoint=endpoint, socket=socket, fd=socket.getsockopt(_FD),
+                           channel=PrefillChannel(self._control_key, self.auth_rejections))
 
     def _drop_peer(self, peer: _Peer) -> None:
         with self._lock:
@@ -327,9 +348,10 @@ class PrefillPublisher:
                     last_layer_request_ids=tuple(i for i in ids if i in last))
                 frame = encode(batch)
                 limit = self._frame_limit(peer)
-                if len(frame) > limit:
+                size = len(frame) + (OVERHEAD if self._control_key is not None else 0)
+                if size > limit:
                     raise ProtocolError(
-                        f"READY for layer {layer_index} to {endpoint} is {len(frame)} bytes, "
+                        f"READY for layer {layer_index} to {endpoint} is {size} bytes, "
                         f"over the frame limit of {limit} (this rank: "
                         f"{self._max_frame_bytes}, the decode: {_decode_limit(peer)}); "
                         f"publish fewer requests per batch")
@@ -422,13 +444,15 @@ class PrefillPublisher:
         """Make a ``pump`` running in another thread return now (GatePump)."""
         _poke(self._interrupt_write)
 
-    def _send(self, connection: _Connection, frame: bytes) -> None:
-        """Send from the caller's thread; wake the I/O thread if an answer is waiting."""
+    def _send(self, connection: _Connection, message: bytes, hello: bool = False) -> None:
+        """Seal and send from the caller's thread; wake the I/O thread if an answer waits."""
         with connection.lock:
             if connection.closed:
                 log.warning("prefill %s: connection to %s is closed; the READY's deadline "
                             "will fail it", self._label, connection.endpoint)
                 return
+            channel = connection.channel
+            frame = channel.seal_hello(message) if hello else channel.seal(message)
             try:
                 connection.socket.send(frame, zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # queue full: the deadline reports it
@@ -523,21 +547,34 @@ class PrefillPublisher:
                 connection.socket.close(linger=0)
 
     def _drain(self, connection: _Connection) -> int:
-        """Receive and handle every waiting answer of one connection; how many there were."""
-        frames: list[bytes] = []
+        """Receive and handle every waiting answer of one connection; how many there were.
+
+        Frames are authenticated under the connection's lock (sequence numbers in wire order);
+        a refused one is logged and dropped unread.
+        """
+        frames: list[tuple[Kind, bytes | memoryview]] = []
+        received = 0
         with connection.lock:
             if connection.closed:
                 return 0
             socket = connection.socket
             while socket.getsockopt(_EVENTS) & _POLLIN:
-                frames.append(socket.recv(zmq.NOBLOCK))
-        for frame in frames:
+                received += 1
+                try:
+                    frames.append(connection.channel.open(socket.recv(zmq.NOBLOCK)))
+                except FrameRejectedError as exc:
+                    log.warning("prefill %s: refused a frame from %s: %s", self._label,
+                                connection.endpoint, exc)
+        for kind, frame in frames:
             try:
-                self._on_answer(connection.endpoint, frame)
+                if kind is Kind.RESET:
+                    self._on_reset(connection.endpoint)
+                else:
+                    self._on_answer(connection.endpoint, frame)
             except Exception:
                 log.exception("prefill %s: error handling an answer from %s", self._label,
                               connection.endpoint)
-        return len(frames)
+        return received
 
     def _poll_timeout_s(self) -> float:
         """Until the next deadline of a READY still in flight (answered ones are dropped).
@@ -555,7 +592,23 @@ class PrefillPublisher:
             self._io_sleep_until = now + timeout
             return timeout
 
-    def _on_answer(self, endpoint: str, frame: bytes) -> None:
+    def _on_reset(self, endpoint: str) -> None:
+        """The decode has no session for this connection (it restarted): fail what is in flight
+        there now and handshake again on the next publish."""
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is not None and peer.answer is not None:
+                del self._peers[endpoint]
+                self._dropped_connections.append(peer.connection)
+            lost = [self._pending.pop(key) for key in list(self._pending) if key[0] == endpoint]
+        log.warning("prefill %s: decode %s does not know this connection's session (it "
+                    "restarted?); failing %d READY(s) in flight, handshaking again on the next "
+                    "publish", self._label, endpoint, len(lost))
+        for item in lost:
+            self._finish(item, f"decode {endpoint} lost the control session (restarted?) "
+                               f"before answering layer {item.layer_index} seq {item.seq}")
+
+    def _on_answer(self, endpoint: str, frame: bytes | memoryview) -> None:
         try:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:

@@ -3,7 +3,9 @@
 Client-facing: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
 ``GET /v1/models`` (from a decode), ``GET /health``. Engine-facing: ``POST /kvo/v1/notify``
 (decode readiness, prefill hand-off failures) and ``GET /kvo/v1/metadata`` (the topology the
-decodes advertised and what happened to recent requests).
+decodes advertised and what happened to recent requests). With a control key, a notification
+must carry a valid signature (remote_d2h.notify_auth); a refused one is answered 401, counted
+and logged, and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import aiohttp
 import attrs
 from aiohttp import web
 
+from kvo_transport.frame_auth import ControlKey, FrameRejectedError
 from kvo_vllm.proxy.flow import Flow, ProxyConfig, ProxyError
 from kvo_vllm.proxy.hub import NotifyHub
+from kvo_vllm.remote_d2h.notify_auth import HEADER, NotifyVerifier
 from kvo_vllm.remote_d2h.params import TransferParamsError, parse_notification
 
 logger = logging.getLogger("kvo.proxy")
@@ -29,14 +33,20 @@ MAX_NOTIFY_BYTES = 64 * 1024
 _FLOW = web.AppKey("flow", Flow)
 _HUB = web.AppKey("hub", NotifyHub)
 _CONFIG = web.AppKey("config", ProxyConfig)
+_VERIFIER = web.AppKey("verifier", NotifyVerifier)
 
 
-def build_app(config: ProxyConfig) -> web.Application:
-    """An aiohttp application serving the proxy; the client session lives with the app."""
+def build_app(config: ProxyConfig, control_key: ControlKey | None = None) -> web.Application:
+    """An aiohttp application serving the proxy; the client session lives with the app.
+
+    ``control_key``: notifications must be signed with it (None: unsigned ones are accepted;
+    the caller must then bind loopback only, see cli.py).
+    """
     app = web.Application(client_max_size=64 * 1024 * 1024)
     hub = NotifyHub()
     app[_HUB] = hub
     app[_CONFIG] = config
+    app[_VERIFIER] = NotifyVerifier(control_key)
 
     async def session_context(app: web.Application) -> Any:
         connector = aiohttp.TCPConnector(limit=0)
@@ -80,8 +90,17 @@ async def _health(request: web.Request) -> web.StreamResponse:
 async def _notify(request: web.Request) -> web.StreamResponse:
     if request.content_length is not None and request.content_length > MAX_NOTIFY_BYTES:
         return ProxyError(413, f"a notification is at most {MAX_NOTIFY_BYTES} bytes").response()
+    raw = await request.read()
+    verifier = request.app[_VERIFIER]
     try:
-        body = json.loads(await request.read())
+        verifier.verify(request.headers.get(HEADER), raw)
+    except FrameRejectedError as error:
+        logger.warning("refused a notification from %s (%d refused so far: %s): %s",
+                       request.remote, verifier.counters.total, verifier.counters.as_dict(),
+                       error)
+        return ProxyError(401, f"notification refused: {error}").response()
+    try:
+        body = json.loads(raw)
         note = parse_notification(body)
     except (json.JSONDecodeError, UnicodeDecodeError, TransferParamsError) as error:
         logger.warning("rejected a notification: %s", error)
@@ -104,5 +123,6 @@ async def _metadata(request: web.Request) -> web.StreamResponse:
         "decode_endpoints": {str(rank): ep for rank, ep in sorted(hub.endpoints_seen.items())},
         "waiting": len(hub),
         "unknown_notifications": hub.unknown_notifications,
+        "refused_notifications": request.app[_VERIFIER].counters.as_dict(),
         "requests": [attrs.asdict(record) for record in flow.records],
     })

@@ -5,7 +5,9 @@ Example (one prefill, one decode, the proxy on port 8000)::
     kvo-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 The engines POST notifications back to ``--notify-url`` (default: this proxy's own address),
-so the proxy must be reachable from them there.
+so the proxy must be reachable from them there. With ``KVO_CONTROL_SECRET`` set (the same
+secret as the engines' ``control_secret``), only signed notifications are accepted; without
+it, binding anything but a loopback address is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 
 from aiohttp import web
 
+from kvo_core.errors import ConfigError
+from kvo_transport.frame_auth import control_key, require_secret_beyond_loopback
 from kvo_vllm.proxy.app import NOTIFY_PATH, build_app
 from kvo_vllm.proxy.flow import ProxyConfig
 
@@ -67,11 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        key = control_key()
+        require_secret_beyond_loopback(key, args.host, "kvo-proxy's notify endpoint")
+    except ConfigError as error:
+        print(f"kvo-proxy: {error}", file=sys.stderr)
+        return 2
     base = args.notify_url or f"http://{args.host}:{args.port}"
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
                          notify_url=base + NOTIFY_PATH, ready_timeout_s=args.ready_timeout,
                          request_timeout_s=args.request_timeout)
-    web.run_app(build_app(config), host=args.host, port=args.port, print=None,
+    web.run_app(build_app(config, key), host=args.host, port=args.port, print=None,
                 access_log=None)
     return 0
 

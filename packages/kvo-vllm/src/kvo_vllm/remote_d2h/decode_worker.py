@@ -35,6 +35,7 @@ from kvo_transport.control import (
     RequestDestination,
 )
 from kvo_transport.engine import create_transfer_engine
+from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.guarded_engine import GuardedEngine, LayerRegion
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
@@ -115,7 +116,7 @@ class DecodePuller:
         self._recvs: dict[str, _Recv] = {}  # transfer id -> state
         self._finished: set[str] = set()  # vLLM request ids to report received
         self._invalid: set[int] = set()
-        self._notifier = Notifier("kvo-decode-notify")
+        self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
         self._engine: GuardedEngine | None = None
         self._receiver: DecodeReceiver | None = None
         self._registered: list[int] = []
@@ -159,7 +160,8 @@ class DecodePuller:
             engine=self._engine, layout=DecodeLayout(dest_layers), resolve=self._resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
-            retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid).start()
+            retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
+            control_secret=config.control_secret).start()
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks x %d bytes, "
                     "control endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layers),
                     regions[0].num_blocks, block_bytes, self._receiver.endpoint,

@@ -28,6 +28,7 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
 from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.decode_worker import describe_kv_caches, merged_regions
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata, SendChunk
@@ -91,7 +92,7 @@ class PrefillSender:
         self._vllm_finished: set[str] = set()
         self._step = 0
         self._chunks: tuple[SendChunk, ...] = ()
-        self._notifier = Notifier("kvo-prefill-notify")
+        self._notifier = Notifier("kvo-prefill-notify", control_key(config.control_secret))
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class PrefillSender:
                     gates=self._forwarder, tracker=self._tracker,
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     layer_deadline_s=self.config.layer_deadline_s,
-                    request_part=REQUEST_PART)
+                    request_part=REQUEST_PART, control_secret=self.config.control_secret)
                 if self._joined is not None and not self._publishers:
                     # The layer pipeline waits on the joined gates: let it handle the decode's
                     # answers itself (one thread hand-off less per layer; see GatePump).
