@@ -9,6 +9,8 @@ the implementation per call from the tensors' device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -26,7 +28,7 @@ COPY_SFA_OUTPUTS = ("hbm_k_rope", "hbm_kv_cache", "attention_out")
 _library = torch.library.Library("kvo", "FRAGMENT")
 
 
-def _schema(name: str, fields: tuple[attrs.Attribute, ...], mutated: tuple[str, ...]) -> str:
+def _schema(name: str, fields: tuple[attrs.Attribute[Any], ...], mutated: tuple[str, ...]) -> str:
     """A schema string from an args class: tensors, mutated ones annotated ``Tensor(x!)``."""
     params = []
     for i, field in enumerate(fields):

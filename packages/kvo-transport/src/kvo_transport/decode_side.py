@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import attrs
 import zmq
@@ -258,7 +259,7 @@ class DecodeReceiver:
                 return
             if self._monitor in events:
                 self._on_monitor_events()
-            while self._router.getsockopt(_EVENTS) & _POLLIN:
+            while cast(int, self._router.getsockopt(_EVENTS)) & _POLLIN:
                 parts = self._router.recv_multipart(zmq.NOBLOCK)
                 try:
                     self._on_frames(parts)
@@ -268,7 +269,7 @@ class DecodeReceiver:
     def _on_monitor_events(self) -> None:
         """Log connections ZMQ closed: a peer that went away, or one whose frame broke the size
         limit (ZMQ drops such a frame by closing the connection, and says nothing else)."""
-        while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+        while cast(int, self._monitor.getsockopt(_EVENTS)) & _POLLIN:
             event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue

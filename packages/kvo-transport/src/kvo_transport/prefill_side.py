@@ -26,6 +26,7 @@ import select
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import attrs
 import zmq
@@ -272,7 +273,7 @@ class PrefillPublisher:
                           f"{self._label}/{os.urandom(4).hex()}".encode()[:255])
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         socket.connect(endpoint)
-        return _Connection(endpoint=endpoint, socket=socket, fd=socket.getsockopt(_FD),
+        return _Connection(endpoint=endpoint, socket=socket, fd=cast(int, socket.getsockopt(_FD)),
                            channel=PrefillChannel(self._control_key, self.auth_rejections))
 
     def _drop_peer(self, peer: _Peer) -> None:
@@ -459,7 +460,7 @@ class PrefillPublisher:
                 log.warning("prefill %s: cannot queue a frame to %s: %s", self._label,
                             connection.endpoint, exc)
             # Any socket call may consume the FD's edge: look for input ourselves.
-            waiting = bool(connection.socket.getsockopt(_EVENTS) & _POLLIN)
+            waiting = bool(cast(int, connection.socket.getsockopt(_EVENTS)) & _POLLIN)
         if waiting:
             self._wake()
 
@@ -558,7 +559,7 @@ class PrefillPublisher:
             if connection.closed:
                 return 0
             socket = connection.socket
-            while socket.getsockopt(_EVENTS) & _POLLIN:
+            while cast(int, socket.getsockopt(_EVENTS)) & _POLLIN:
                 received += 1
                 try:
                     frames.append(connection.channel.open(socket.recv(zmq.NOBLOCK)))

@@ -10,7 +10,7 @@ advertised in its handshake, so a bad READY fails before a single byte moves.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -76,11 +76,15 @@ class DestinationLayer:
                               f"got {self.block_size_scale!r}")
 
 
+def _layer_tuple(layers: Iterable[DestinationLayer]) -> tuple[DestinationLayer, ...]:
+    return tuple(layers)
+
+
 @attrs.frozen
 class DecodeLayout:
     """Every cache-bearing layer of the decode rank, ordered by layer index."""
 
-    layers: tuple[DestinationLayer, ...] = attrs.field(converter=tuple)
+    layers: tuple[DestinationLayer, ...] = attrs.field(converter=_layer_tuple)
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels: @triton.jit is untyped and kernel parameters are pointers and constexprs.)
 """``indexer_scores_triton``: lightning-indexer scores ``sum_h w[t,h] * relu(q[t,h] . k[s])``.
 
 One program scores a block of keys for a block of query rows: the (row, head) pairs form the M

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels: @triton.jit is untyped and kernel parameters are pointers and constexprs.)
 """``sparse_copy_triton``: ``dst[dst_rows[i]] = src[src_rows[i]]`` as one Triton launch.
 
 The miss rows of a decode step are scattered over the host pool and land scattered in the hot

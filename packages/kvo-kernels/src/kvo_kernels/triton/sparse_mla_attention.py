@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels: @triton.jit is untyped and kernel parameters are pointers and constexprs.)
 """``sparse_mla_attention_triton``: MLA attention of each query row over its selected cache rows.
 
 Keys are ``concat(kv, k_rope)`` and values are ``kv`` (the latent is shared by all heads), so a

@@ -195,7 +195,7 @@ class KvoMultiConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         for connector in self._completion_first:
-            connector.wait_for_save()
+            connector.wait_for_save()  # type: ignore[no-untyped-call]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         merged = KVConnectorTransferResults()
@@ -222,7 +222,7 @@ class KvoMultiConnector(KVConnectorBase_V1):
         failure: Exception | None = None
         for connector in self._completion_first:
             try:
-                connector.shutdown()
+                connector.shutdown()  # type: ignore[no-untyped-call]
             except Exception as error:  # shut the other one down too
                 logger.exception("kvo: shutting down %s failed", type(connector).__name__)
                 failure = error

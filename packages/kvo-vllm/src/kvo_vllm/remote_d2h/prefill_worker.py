@@ -26,7 +26,7 @@ import torch
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
-from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
+from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
 from kvo_transport.engine import TransferEngine, create_transfer_engine
 from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.decode_worker import describe_kv_caches, merged_regions
@@ -237,7 +237,7 @@ class PrefillSender:
     def _publish(self, decode_tp: int, index: int, key: SlotKey, chunks: list[SendChunk],
                  last_layer: bool) -> None:
         publisher = self._publisher(decode_tp)
-        by_endpoint: dict[str, list] = {}
+        by_endpoint: dict[str, list[ReadyRequest]] = {}
         blocks = 0
         for chunk in chunks:
             ready = publisher.ready_request(chunk.transfer_id, chunk.start_block,

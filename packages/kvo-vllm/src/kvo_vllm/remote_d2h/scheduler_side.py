@@ -83,7 +83,7 @@ class RemoteD2HScheduler:
 
     def _pulled_tokens(self, request: Any) -> int:
         """Tokens in the full blocks a warm prefix cache would cover (never the last one)."""
-        return (request.num_prompt_tokens - 1) // self._block_size * self._block_size
+        return int((request.num_prompt_tokens - 1) // self._block_size * self._block_size)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         params = _decode_params(request)
