@@ -1,13 +1,17 @@
-"""Benchmark: the P/D pair with kvo against one plain vLLM, through the OpenAI API.
+"""Benchmark: the P/D pair with kvo against vLLM's own Mooncake P/D pair and one plain vLLM.
 
-Starts (in a loopback-only network namespace; Mooncake needs it) a plain vLLM API server and
-the P/D deployment: a prefill with ``KvoMultiConnector`` (8 layers in 3 reused buffers, every
+Starts (in a loopback-only network namespace; Mooncake needs it) a plain vLLM API server, the
+kvo P/D deployment: a prefill with ``KvoMultiConnector`` (8 layers in 3 reused buffers, every
 layer saved to the Mooncake store and published to decode), a decode with
-``RemoteD2HConnector`` and the kvo proxy. For each prompt length the two take turns on the
-same fresh prompts (alternating who goes first, so a busy machine slows both alike); each
-request streams, so the time to the first token (TTFT) and the decode rate are measured at the
-client. Also reported: the prefill's device KV footprint with and without buffer reuse, bytes
-pulled per request and the per-layer pull time.
+``RemoteD2HConnector`` and the kvo proxy; and the peer a user would pick instead: vLLM's own
+``MooncakeConnector`` prefill/decode pair over Mooncake tcp with its proxy (``pd/peer.py``;
+``--no-peer`` leaves it out). For each prompt length the contenders take turns on the same fresh
+prompts (the order rotates every round, so a busy machine slows all alike); each request
+streams, so the time to the first token (TTFT) and the decode rate are measured at the client.
+Reported per length: TTFT medians, the median of each round's paired ratio (P/D TTFT over
+plain's in the same round, and kvo's over the peer's), decode tokens/s, and exactness (answers
+whose tokens and logprobs are bit-equal to plain's). Also: the prefill's device KV footprint
+with and without buffer reuse, bytes pulled per request and the per-layer pull time.
 
 Layerwise offload against no offload on a single prefill engine (the 10% TTFT target at 4K
 tokens) is measured by ``tools/bench/e2e_layerwise.py``.
@@ -43,6 +47,7 @@ from pd.cluster import (  # noqa: E402
     stopping_on_signals,
     wait_healthy,
 )
+from pd.peer import external_prefix_tokens, start_peer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="timed prompt pairs per length")
     parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
     parser.add_argument("--workdir", type=Path, help="logs and counters (default: a temp dir)")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="leave out vLLM's own MooncakeConnector pair")
     args = parser.parse_args(argv)
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 4096])
     args.reps = args.reps or (2 if args.quick else 4)
@@ -69,37 +76,55 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure(plain_url: str, proxy_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _paired_ratio(answers: dict[str, list[Answer]], top: str, bottom: str) -> float | None:
+    """Median over rounds of top's TTFT / bottom's TTFT in the same round."""
+    return _median([a.ttft_s / b.ttft_s for a, b in zip(answers[top], answers[bottom],
+                                                          strict=True)
+                    if a.ttft_s and b.ttft_s])
+
+
+def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Rounds over ``urls`` ("plain" first, then the P/D contenders), order rotating per round."""
     rng = random.Random(0)
 
     def fresh(length: int) -> list[int]:
         return [rng.randrange(256) for _ in range(length)]
 
+    names = list(urls)
     rows = []
     for length in args.lengths:
-        for url in (plain_url, proxy_url):  # one untimed request per length and path
+        for url in urls.values():  # one untimed request per length and path
             complete(url, completion_body(fresh(length), 2, stream=True))
-        answers: dict[str, list[Answer]] = {"plain": [], "pd": []}
+        answers: dict[str, list[Answer]] = {name: [] for name in names}
         for rep in range(args.reps):
             body = completion_body(fresh(length), args.max_tokens, stream=True)
-            order = [("plain", plain_url), ("pd", proxy_url)]
-            if rep % 2:
-                order.reverse()
-            for name, url in order:
-                answer = complete(url, body)
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                answer = complete(urls[name], body)
                 if not answer.ok:
                     raise RuntimeError(f"{name} request of {length} tokens failed: "
                                        f"{answer.error}")
                 answers[name].append(answer)
-            plain, pd = answers["plain"][-1], answers["pd"][-1]
-            print(f"  {length} tokens, pair {rep + 1}/{args.reps}: TTFT plain "
-                  f"{plain.ttft_s:.3f} s, P/D {pd.ttft_s:.3f} s; same tokens: "
-                  f"{plain.token_ids == pd.token_ids}", flush=True)
-        row: dict[str, Any] = {"prompt_tokens": length, "new_tokens": args.max_tokens}
+            plain = answers["plain"][-1]
+            print(f"  {length} tokens, round {rep + 1}/{args.reps}: TTFT "
+                  + ", ".join(f"{n} {answers[n][-1].ttft_s or float('nan'):.3f} s"
+                              for n in names)
+                  + "; bit-equal to plain: "
+                  + ", ".join(f"{n} {answers[n][-1].same_output(plain)}" for n in names[1:]),
+                  flush=True)
+        row: dict[str, Any] = {"prompt_tokens": length, "new_tokens": args.max_tokens,
+                               "rounds": args.reps}
         for name, got in answers.items():
             row[f"ttft_{name}_s"] = _median([a.ttft_s for a in got if a.ttft_s is not None])
             row[f"decode_tps_{name}"] = _median([t for a in got
                                                  if (t := a.decode_tokens_per_s) is not None])
+        for name in names[1:]:
+            row[f"ttft_ratio_{name}_to_plain"] = _paired_ratio(answers, name, "plain")
+            pairs = list(zip(answers[name], answers["plain"], strict=True))
+            row[f"exact_{name}"] = sum(a.same_output(p) for a, p in pairs)
+            row[f"same_tokens_{name}"] = sum(a.token_ids == p.token_ids for a, p in pairs)
+        if "peer" in answers:
+            row["ttft_ratio_pd_to_peer"] = _paired_ratio(answers, "pd", "peer")
         row["same_tokens"] = all(p.token_ids == d.token_ids
                                  for p, d in zip(answers["plain"], answers["pd"], strict=True))
         rows.append(row)
@@ -129,11 +154,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         decode_transfer_config(kv_port, decode_stats),
                                         max_model_len=max_len)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
-            print(f"starting plain, prefill, decode and the proxy (logs in {workdir}) ...",
+            servers = [plain, prefill, decode, proxy]
+            urls = {"plain": plain.url or "", "pd": proxy.url or ""}
+            if args.peer:
+                peer = start_peer(cluster, model, max_len)
+                servers += peer.servers
+                urls["peer"] = peer.proxy.url or ""
+            print(f"starting {', '.join(s.name for s in servers)} (logs in {workdir}) ...",
                   flush=True)
-            wait_healthy([plain, prefill, decode, proxy], 900,
-                         lambda note: print(f"  {note}", flush=True))
-            rows = measure(plain.url or "", proxy.url or "", args)
+            wait_healthy(servers, 900, lambda note: print(f"  {note}", flush=True))
+            rows = measure(urls, args)
+            peer_tokens = external_prefix_tokens(peer.decode.url or "") if args.peer else None
             time.sleep(1.0)
             prefill_report, decode_report = read_stats(prefill_stats), read_stats(decode_stats)
     finally:
@@ -154,6 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pull_ms_per_layer_read": (1e3 * sum(v["seconds"] for v in per_layer.values()) / reads
                                    if reads else None),
         "store_saved_bytes": prefill_report.get("layerwise", {}).get("saved_bytes"),
+        "peer_decode_external_hit_tokens": peer_tokens[0] if peer_tokens else None,
+        "peer_decode_external_query_tokens": peer_tokens[1] if peer_tokens else None,
     }
 
 
@@ -162,20 +195,42 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print("\nP/D with kvo vs one plain vLLM (CPU, tiny 8-layer Llama, streamed, medians)")
-    print(f"{'prompt':>7} {'TTFT plain':>11} {'TTFT P/D':>9} {'ratio':>6} "
-          f"{'tok/s plain':>12} {'tok/s P/D':>10} {'same tokens':>12}")
-    for row in result["rows"]:
-        plain, pd = row["ttft_plain_s"], row["ttft_pd_s"]
-        ratio = pd / plain if plain and pd else None
-        print(f"{row['prompt_tokens']:>7} {_fmt(plain, 1e3):>8} ms {_fmt(pd, 1e3):>6} ms "
-              f"{_fmt(ratio, 1, 2):>6} {_fmt(row['decode_tps_plain']):>12} "
-              f"{_fmt(row['decode_tps_pd']):>10} {row['same_tokens']!s:>12}")
+    rows = result["rows"]
+    peer = bool(rows) and "ttft_peer_s" in rows[0]
+    names = ["plain", "pd", "peer"] if peer else ["plain", "pd"]
+    label = {"plain": "plain", "pd": "kvo", "peer": "vLLM-MC"}
+    print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
+          + " vs one plain vLLM (CPU, tiny 8-layer Llama, streamed; medians over rounds; "
+          "ratios: median of per-round pairs; exact: answers bit-equal to plain in tokens and "
+          "logprobs / in tokens / rounds)")
+    header = f"{'prompt':>7} " + " ".join(f"{'TTFT ' + label[n]:>13}" for n in names)
+    header += " " + " ".join(f"{label[n] + '/plain':>13}" for n in names[1:])
+    if peer:
+        header += f" {'kvo/vLLM-MC':>12}"
+    header += " " + " ".join(f"{'tok/s ' + label[n]:>13}" for n in names)
+    header += " " + " ".join(f"{'exact ' + label[n]:>13}" for n in names[1:])
+    print(header)
+    for row in rows:
+        line = f"{row['prompt_tokens']:>7} "
+        line += " ".join(f"{_fmt(row[f'ttft_{n}_s'], 1e3):>10} ms" for n in names)
+        line += " " + " ".join(f"{_fmt(row[f'ttft_ratio_{n}_to_plain'], 1, 2):>12}x"
+                               for n in names[1:])
+        if peer:
+            line += f" {_fmt(row['ttft_ratio_pd_to_peer'], 1, 2):>11}x"
+        line += " " + " ".join(f"{_fmt(row[f'decode_tps_{n}']):>13}" for n in names)
+        line += " " + " ".join(
+            f"{row[f'exact_{n}']}/{row[f'same_tokens_{n}']}/{row['rounds']}".rjust(13)
+            for n in names[1:])
+        print(line)
     ratio = result["prefill_kv_footprint_ratio"]
-    print(f"prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
+    print(f"kvo: prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
           f"pulled {result['pulled_bytes'] / (1 << 20):.1f} MiB in "
           f"{result['requests_pulled']} requests, {_fmt(result['pull_ms_per_layer_read'], 1, 2)}"
           f" ms per layer read, {result['pull_failures']} failures")
+    if result.get("peer_decode_external_query_tokens"):
+        print(f"vLLM-MC: decode got {result['peer_decode_external_hit_tokens']:.0f} of "
+              f"{result['peer_decode_external_query_tokens']:.0f} prompt tokens through its "
+              "connector (vllm:external_prefix_cache_hits)")
 
 
 def main(argv: list[str] | None = None) -> int:
