@@ -51,6 +51,13 @@ from kvo_vllm.layerwise.store_client import (
     store_options_from,
 )
 from kvo_vllm.layerwise.worker_side import ExtraParts, LayerwiseStats, LayerwiseWorker, LoadHook
+from kvo_vllm.metrics import (
+    LAYERWISE_METRICS,
+    CounterDeltas,
+    build_prom_metrics,
+    build_stats,
+    make_stats,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,6 +116,7 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         self._store: Any = acquire_store(self.config, store_options_from(extra))
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
+        self._metric_deltas = CounterDeltas()
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -190,6 +198,24 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> LayerwiseStats:
         return self.worker.stats
+
+    # -- metrics through vLLM's KVConnectorStats / Prometheus (kvo_vllm.metrics) -----
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._worker is None:
+            return None
+        return make_stats(self._metric_deltas.take(self._worker.stats.metric_counters()))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return build_prom_metrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues, LAYERWISE_METRICS)
 
     # ==== scheduler side =================================================================
 

@@ -68,8 +68,11 @@ class LayerwiseStats:
     saved_bytes: int = 0
     loaded_blocks: int = 0
     loaded_bytes: int = 0
+    missing_blocks: int = 0
+    """Blocks the store answered as absent (a subset of ``failed_loads``)."""
     failed_loads: int = 0
     failed_saves: int = 0
+    poisoned_keys: int = 0
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     ready_wait_seconds: float = 0.0
@@ -77,6 +80,21 @@ class LayerwiseStats:
     step_end_wait_seconds: float = 0.0
     """Time ``wait_for_save`` waited for the step's last saves (not overlapped with compute)."""
     loaded_blocks_by_layer: dict[int, int] = attrs.field(factory=dict)
+
+    def metric_counters(self) -> dict[str, float]:
+        """The cumulative counters kvo exports to vLLM's metrics (``kvo_vllm.metrics``)."""
+        return {
+            "layerwise_saved_bytes": self.saved_bytes,
+            "layerwise_saved_blocks": self.saved_blocks,
+            "layerwise_loaded_bytes": self.loaded_bytes,
+            "layerwise_loaded_blocks": self.loaded_blocks,
+            "layerwise_missing_blocks": self.missing_blocks,
+            "layerwise_failed_loads": self.failed_loads,
+            "layerwise_failed_saves": self.failed_saves,
+            "layerwise_poisoned_keys": self.poisoned_keys,
+            "layerwise_ready_wait_seconds": self.ready_wait_seconds,
+            "layerwise_step_end_wait_seconds": self.step_end_wait_seconds,
+        }
 
 
 @attrs.frozen
@@ -308,6 +326,7 @@ class LayerwiseWorker:
             usable = [key not in self._poisoned for key in keys]
         chosen = [i for i, ok in enumerate(usable) if ok]
         found = [False] * len(refs)
+        missing = 0
         if chosen:
             result = self._get_with_retries(buffer, [keys[i] for i in chosen],
                                             [buffer.pointer + refs[i].block_id * size
@@ -315,6 +334,7 @@ class LayerwiseWorker:
             if result is not None:
                 for i, ok in zip(chosen, result, strict=True):
                     found[i] = bool(ok)
+                missing = sum(1 for ok in result if not ok)
         failed = [ref.block_id for ref, ok in zip(refs, found, strict=True) if not ok]
         loaded = [ref.block_id for ref, ok in zip(refs, found, strict=True) if ok]
         if failed:
@@ -328,6 +348,7 @@ class LayerwiseWorker:
             by_layer[layer] = by_layer.get(layer, 0) + len(loaded)
             self.stats.loaded_bytes += len(loaded) * size
             self.stats.failed_loads += len(failed)
+            self.stats.missing_blocks += missing
             self.stats.load_seconds += time.perf_counter() - started
         return failed
 
@@ -380,6 +401,8 @@ class LayerwiseWorker:
     def _poison(self, keys: list[str]) -> None:
         with self._poison_lock:
             self._poisoned.update(keys)
+        with self._stats_lock:
+            self.stats.poisoned_keys += len(keys)
         self._cleaner.submit(self._remove_quietly, keys)
 
     def _remove_quietly(self, keys: list[str]) -> None:
