@@ -93,6 +93,7 @@ INVALID: list[tuple[type[Any], dict[str, Any], tuple[str, ...]]] = [
      ("kernel_backend", "'cuda'", "auto, reference, triton, native")),
     (SparseDecodeOffloadConfig, {"residency_backend": "numpy"},
      ("residency_backend", "'numpy'", "torch, native")),
+    (SparseDecodeOffloadConfig, {"mode": "remote"}, ("mode", "'remote'", "resident, offload")),
     (RemoteD2HConfig, {"kv_port": 0}, ("kv_port", "got 0", "[1, 65535]")),
     (RemoteD2HConfig, {"kv_port": 70000}, ("kv_port", "70000", "[1, 65535]")),
     (RemoteD2HConfig, {"kv_port": 1, "handshake_timeout_s": -1},

@@ -35,6 +35,9 @@ RESIDENCY_BACKENDS = ("torch", "native")
 CONTROL_SECRET_ENV = "KVO_CONTROL_SECRET"
 """Environment variable holding the control plane's shared secret (the config key wins)."""
 MIN_CONTROL_SECRET_CHARS = 16
+SPARSE_MODES = ("resident", "offload")
+"""``resident``: main KV stays in the serving engine's own paged cache; ``offload``: it lives in
+a kvo host pool and only the selected rows are copied to device hot buffers."""
 
 _T = TypeVar("_T", bound=attrs.AttrsInstance)
 _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
@@ -282,6 +285,7 @@ class SparseDecodeOffloadConfig:
     indexer_kv_dtype: str = attrs.field(default="bfloat16", validator=_one_of(INDEXER_KV_DTYPES))
     kernel_backend: str = attrs.field(default="auto", validator=_one_of(KERNEL_BACKENDS))
     residency_backend: str = attrs.field(default="torch", validator=_one_of(RESIDENCY_BACKENDS))
+    mode: str = attrs.field(default="resident", validator=_one_of(SPARSE_MODES))
 
     def __attrs_post_init__(self) -> None:
         if self.hot_capacity < self.top_k:

@@ -1,0 +1,125 @@
+"""Where a sparse MLA layer's main-KV rows live and how the selected ones are fetched: the seam
+between kvo's resident and offload modes.
+
+kvo's sparse MLA attention (:mod:`kvo_vllm.dsa.backend`) runs in three steps per layer and step:
+
+1. ``write``: the new tokens' main-KV rows (latent ``kv_lora_rank`` values, then the rope
+   part: ``D = kv_lora_rank + qk_rope_head_dim`` per row) go wherever this strategy keeps them,
+   at the slots vLLM's ``slot_mapping`` names;
+2. ``gather``: for each query token the rows of its top-k selection (request-local positions
+   from the indexer, -1 padded), as ``[T, K, D]`` in top-k order, plus the ``[T, K]`` validity
+   mask (False where the selection is padding; such rows may hold anything);
+3. attention over those rows with kvo-kernels' reference ``sparse_mla_attention`` (the backend
+   does this, not the strategy), so the arithmetic is identical whichever strategy produced
+   the rows: resident and offload must give identical tokens and logprobs.
+
+A strategy implements :class:`MainKVAccess`. :class:`PagedMainKV` (``mode="resident"``) keeps
+rows in vLLM's own paged cache of the layer, addressed through vLLM's block table.
+``mode="offload"`` is ``kvo_vllm.dsa.offload_main_kv.OffloadMainKV`` (main KV in a kvo host
+pool, device hot buffers, miss-only copies), built by :func:`make_main_kv_access` with the
+same arguments. One strategy object serves one attention layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from kvo_core.config import SparseDecodeOffloadConfig
+from kvo_core.errors import ConfigError
+
+OFFLOAD_MODULE = "kvo_vllm.dsa.offload_main_kv"
+OFFLOAD_CLASS = "OffloadMainKV"
+
+
+@attrs.frozen(eq=False)
+class SelectedRows:
+    rows: torch.Tensor   # [T, K, D] in top-k order
+    valid: torch.Tensor  # [T, K] bool
+
+
+@attrs.frozen
+class LayerInfo:
+    """What a strategy may need to know about its layer (fixed at start-up)."""
+
+    layer_name: str
+    kv_lora_rank: int
+    rope_dim: int
+    config: SparseDecodeOffloadConfig
+    vllm_config: Any = attrs.field(default=None, repr=False)
+
+    @property
+    def row_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+
+class MainKVAccess(Protocol):
+    def write(self, kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
+              metadata: Any) -> None:
+        """Store ``rows`` [N, D] (latent then rope) at vLLM slots ``slot_mapping`` [N] (-1 skip).
+
+        ``kv_cache`` is the tensor vLLM bound to the layer; ``metadata`` the step's
+        :class:`~kvo_vllm.dsa.backend.KvoSparseMLAMetadata` (None in a profiling run).
+        """
+        ...
+
+    def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
+        """The rows of each query token's selection ``topk`` [T, K] (request-local, -1 pad)."""
+        ...
+
+
+def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's MLA cache of a layer as ``[num_blocks, block_size, D]`` (a view, never a copy)."""
+    if kv_cache.dim() == 3:
+        return kv_cache
+    if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
+        return kv_cache.squeeze(1)
+    raise ValueError(f"unexpected MLA cache shape {tuple(kv_cache.shape)}; expected "
+                     f"[num_blocks, block_size, D]")
+
+
+class PagedMainKV:
+    """Resident mode: rows in vLLM's paged cache of the layer, addressed by its block table."""
+
+    def __init__(self, layer: LayerInfo) -> None:
+        self.layer = layer
+
+    def write(self, kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
+              metadata: Any) -> None:
+        cache = cache_rows(kv_cache)
+        block_size = cache.shape[1]
+        slots = slot_mapping[: rows.shape[0]].to(torch.int64)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, rows = slots[keep], rows[keep]
+        cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
+
+    def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
+        cache = cache_rows(kv_cache)
+        block_size = cache.shape[1]
+        valid = topk >= 0
+        positions = topk.clamp(min=0).to(torch.int64)
+        tables = metadata.block_table.to(torch.int64)[metadata.token_request]   # [T, blocks]
+        blocks = torch.gather(tables, 1, positions // block_size)
+        return SelectedRows(rows=cache[blocks, positions % block_size], valid=valid)
+
+
+def make_main_kv_access(layer: LayerInfo) -> MainKVAccess:
+    """The strategy ``layer.config.mode`` names."""
+    mode = layer.config.mode
+    if mode == "resident":
+        return PagedMainKV(layer)
+    if mode == "offload":
+        try:
+            module = importlib.import_module(OFFLOAD_MODULE)
+        except ModuleNotFoundError as error:
+            if error.name != OFFLOAD_MODULE:
+                raise
+            raise ConfigError("mode 'offload' is not available in this kvo-vllm build; "
+                              "available: resident") from None
+        strategy: MainKVAccess = getattr(module, OFFLOAD_CLASS)(layer)
+        return strategy
+    raise ConfigError(f"mode must be one of resident, offload; got {mode!r}")

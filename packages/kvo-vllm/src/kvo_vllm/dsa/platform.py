@@ -1,0 +1,58 @@
+"""kvo's vLLM CPU platform: vLLM's ``CpuPlatform`` plus sparse MLA (DeepSeek-V3.2) support.
+
+An out-of-tree platform plugin wins over vLLM's builtin CPU platform (vLLM 0.32 picks the one
+activated OOT plugin), so this class must behave exactly like ``CpuPlatform`` for every model
+that is not a sparse MLA model: both methods below return or change nothing else for those.
+
+For a model with a lightning indexer (``index_topk`` in its config) and MLA:
+
+- ``get_attn_backend_cls`` returns kvo's sparse MLA backend (stock vLLM-CPU raises "Sparse
+  Attention is not supported on CPU");
+- ``check_and_update_config`` keeps the block size at 64 (stock forces 16 for CPU_MLA's kernel;
+  kvo's backend and indexer take any size, 64 is DeepSeek's indexer block) unless the user set
+  one, keeps chunked prefill and the batch token budget as the user configured them (stock turns
+  chunked prefill off for MLA because CPU_MLA cannot continue a prefill; kvo's backend runs
+  every token through sparse attention over its own top-k, so it can), and validates kvo's
+  sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.platforms.cpu import CpuPlatform
+
+from kvo_vllm.dsa.config import is_sparse_mla_model, sparse_config_for
+
+logger = init_logger(__name__)
+
+SPARSE_MLA_BACKEND = "kvo_vllm.dsa.backend.KvoSparseMLABackend"
+DSA_BLOCK_SIZE = 64
+
+
+class KvoCpuPlatform(CpuPlatform):
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any,
+                             num_heads: int | None = None) -> str:
+        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+            logger.info_once("kvo: sparse MLA attention through %s", SPARSE_MLA_BACKEND)
+            return SPARSE_MLA_BACKEND
+        return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        if not is_sparse_mla_model(vllm_config.model_config):
+            super().check_and_update_config(vllm_config)
+            return
+        cache = vllm_config.cache_config
+        scheduler = vllm_config.scheduler_config
+        user_block_size = cache.block_size if cache.user_specified_block_size else None
+        chunked_prefill = scheduler.enable_chunked_prefill
+        batched_tokens = scheduler.max_num_batched_tokens
+        super().check_and_update_config(vllm_config)
+        cache.block_size = user_block_size or DSA_BLOCK_SIZE
+        scheduler.enable_chunked_prefill = chunked_prefill
+        scheduler.max_num_batched_tokens = batched_tokens
+        config = sparse_config_for(vllm_config)
+        logger.info("kvo: sparse MLA model, block size %d, %s", cache.block_size, config)

