@@ -23,6 +23,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopk
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
+    AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MLAAttentionImpl,
@@ -52,7 +53,7 @@ def attend_rows(query: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tenso
 
 
 @attrs.define(eq=False)
-class KvoSparseMLAMetadata:
+class KvoSparseMLAMetadata(AttentionMetadata):
     """One step of the main-KV cache group, for kvo's sparse MLA impl (and vLLM's MLA layer)."""
 
     num_reqs: int

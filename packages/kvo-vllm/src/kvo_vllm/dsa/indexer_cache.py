@@ -28,6 +28,7 @@ import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
+    AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MultipleOf,
@@ -96,7 +97,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
 
 
 @attrs.frozen(eq=False)
-class KvoIndexerMetadata:
+class KvoIndexerMetadata(AttentionMetadata):
     """One step's view of a kv-cache group, as kvo's indexer needs it."""
 
     num_actual_tokens: int
@@ -161,7 +162,8 @@ class KvoIndexerBackend(DeepseekV32IndexerBackend):
         return []
 
     @staticmethod
-    def get_builder_cls() -> type[KvoIndexerMetadataBuilder]:
+    def get_builder_cls() -> type[KvoIndexerMetadataBuilder]:  # type: ignore[override]
+        # vLLM types the stock indexer backend's builder narrowly; any builder is called alike.
         return KvoIndexerMetadataBuilder
 
 
