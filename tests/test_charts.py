@@ -26,6 +26,12 @@ E2E = {"rows": [
      "decode_tps_peer": 90.0} for n in (256, 1024)],
     "per_layer_pull": {"0": {"reads": 4, "bytes": 4096, "seconds": 0.004},
                        "1": {"reads": 4, "bytes": 4096, "seconds": 0.008}}}
+DEMO = {"requests": [{"prompt_tokens": n, "ttft_plain_s": 0.05, "ttft_pd_s": 0.08}
+                     for n in (40, 200, 1500)],
+        "bytes_moved": {"prefill -> decode (pull)": 3 << 20, "prefill -> store (saves)": 5 << 20,
+                        "store -> prefill (loads)": 1 << 20},
+        "per_layer_pull": E2E["per_layer_pull"],
+        "prefill_device_kv": {"physical_bytes": 3 << 20, "logical_bytes": 8 << 20}}
 CAPACITY = {"benchmark": "residency_capacity", "top_k": 4, "trace_source": "fixture",
             "results": residency_capacity.measure({"top_k": 4, "source": "fixture", "layers": [
                 [[0, 1, 2, 3], [0, 1, 4, 5], [2, 3, 6, 7], [0, 1, 2, 3], [4, 5, 6, 8]]]})}
@@ -43,6 +49,7 @@ def _labelled(figure: object) -> None:
     (_charts.residency_capacity_figure, CAPACITY),
     (_charts.residency_speed_figure, RESIDENCY),
     (_charts.latency_figure, E2E),
+    (_charts.demo_summary_figure, DEMO),
     (lambda d: _charts.pull_latency_figure(d["per_layer_pull"]), E2E),
     (lambda d: _charts.pull_latency_figure({k: {**v, "samples_ms": [1.0, 2.0, 1.5]}
                                             for k, v in d["per_layer_pull"].items()}), E2E),

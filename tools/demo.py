@@ -28,6 +28,7 @@ every check passed; 1: a check failed; 2: the deployment could not be started.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -158,8 +159,11 @@ def exercise(plain_url: str, proxy_url: str, prefill_stats: Path, decode_stats: 
     # prefill and on the plain engine, which moves logprobs in the last digits: compare tokens.
     exact = args.concurrency == 1
     failures = check(warm, answers, logprobs=exact) + check(cold, answers, logprobs=False)
-    report(cold, answers, plain_wall, pd_wall, read_stats(prefill_stats),
-           read_stats(decode_stats), len(batch))
+    summary = report(cold, answers, plain_wall, pd_wall, read_stats(prefill_stats),
+                     read_stats(decode_stats), len(batch))
+    summary["checks"] = {"passed": not failures, "failures": failures}
+    json_path, png_path = write_report(summary, prefill_stats.parent)
+    print(f"report: {json_path}\nsummary chart: {png_path}")
     if failures:
         print("\nFAILED:", file=sys.stderr)
         for line in failures:
@@ -209,8 +213,18 @@ def _mib(nbytes: int | float) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB"
 
 
+def write_report(summary: dict[str, Any], directory: Path) -> tuple[Path, Path]:
+    """The report as JSON and its one-page PNG summary, beside the demo's logs."""
+    from bench._charts import demo_summary_figure, save
+
+    json_path = directory / "demo-report.json"
+    json_path.write_text(json.dumps(summary, indent=2))
+    return json_path, save(demo_summary_figure(summary), directory / "demo-summary.png")
+
+
 def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd_wall: float,
-           prefill: dict[str, Any], decode: dict[str, Any], count: int) -> None:
+           prefill: dict[str, Any], decode: dict[str, Any], count: int) -> dict[str, Any]:
+    """Print the report; return the same numbers for the JSON report and its chart."""
     print("\n================ kvo P/D demo report ================")
     layout = prefill.get("layout", {})
     if layout:
@@ -248,6 +262,25 @@ def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd
     print(f"  decode tokens/s     {_fmt(_median(plain_tps)):>16} {_fmt(_median(pd_tps)):>12}")
     print(f"  batch wall time     {plain_wall:>14.2f} s {pd_wall:>10.2f} s   ({count} requests)")
     print("=====================================================")
+    return {
+        "title": "kvo P/D demo: tiny Llama on vLLM-CPU, KvoMultiConnector -> RemoteD2HConnector",
+        "requests": [{"prompt_tokens": shape[0], "streamed": shape[1], "chat": shape[2],
+                      "ttft_plain_s": plain.ttft_s, "ttft_pd_s": pd.ttft_s,
+                      "decode_tps_plain": plain.decode_tokens_per_s,
+                      "decode_tps_pd": pd.decode_tokens_per_s}
+                     for shape, plain, pd in zip(REQUESTS, reference, answers, strict=True)],
+        "prefill_device_kv": {"describe": layout.get("describe"),
+                              "physical_bytes": layout.get("physical_bytes", 0),
+                              "logical_bytes": layout.get("logical_bytes", 0)},
+        "bytes_moved": {"prefill -> decode (pull)": pulled,
+                        "prefill -> store (saves)": layerwise.get("saved_bytes", 0),
+                        "store -> prefill (loads)": layerwise.get("loaded_bytes", 0)},
+        "per_layer_pull": per_layer,
+        "requests_pulled": puller.get("received", 0), "pull_failures": puller.get("failed", 0),
+        "ttft_median_s": {"plain": _median(plain_ttft), "pd": _median(pd_ttft)},
+        "decode_tps_median": {"plain": _median(plain_tps), "pd": _median(pd_tps)},
+        "batch_wall_s": {"plain": plain_wall, "pd": pd_wall},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

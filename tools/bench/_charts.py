@@ -132,6 +132,48 @@ def pull_latency_figure(per_layer: Mapping[str, Mapping[str, Any]],
     return figure
 
 
+def demo_summary_figure(report: Record) -> Figure:
+    """The demo's one-page summary: TTFT per request, bytes per path, per-layer pull time and
+    the prefill's device KV with and without buffer reuse."""
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ttft, moved, pulls, footprint = axes.flat
+    requests = report["requests"]
+    lengths = [r["prompt_tokens"] for r in requests]
+    for flavour in ("plain", "pd"):
+        ttft.plot(lengths, [1e3 * v if (v := r.get(f"ttft_{flavour}_s")) is not None
+                            else float("nan") for r in requests], "o", label=flavour)
+    ttft.set_xlabel("prompt length (tokens)")
+    ttft.set_ylabel("time to first token (ms)")
+    ttft.set_title("TTFT per request")
+    ttft.legend()
+    paths = report["bytes_moved"]
+    moved.bar(list(paths), [v / (1 << 20) for v in paths.values()], label="bytes moved")
+    moved.set_ylabel("data moved (MiB)")
+    moved.set_xlabel("path (source -> destination)")
+    moved.tick_params(axis="x", labelsize=7)
+    moved.set_title("Bytes per path")
+    moved.legend()
+    per_layer = report.get("per_layer_pull") or {}
+    layers = sorted(per_layer, key=int)
+    pulls.bar(layers, [1e3 * per_layer[k]["seconds"] / max(1, per_layer[k]["reads"])
+                       for k in layers], label="mean per read")
+    pulls.set_xlabel("layer (index)")
+    pulls.set_ylabel("pull time per read (ms)")
+    pulls.set_title("Remote D2H pull per layer")
+    pulls.legend()
+    kv = report["prefill_device_kv"]
+    footprint.bar(["without reuse", "with reuse"],
+                  [kv["logical_bytes"] / (1 << 20), kv["physical_bytes"] / (1 << 20)],
+                  label="prefill device main KV")
+    footprint.set_xlabel("prefill layer buffers (configuration)")
+    footprint.set_ylabel("device KV (MiB)")
+    footprint.set_title("Prefill device KV")
+    footprint.legend()
+    figure.suptitle(report.get("title", "kvo P/D demo"))
+    figure.tight_layout()
+    return figure
+
+
 CHARTS: dict[str, Callable[[Record], Figure]] = {
     "residency_capacity": residency_capacity_figure,
     "residency": residency_speed_figure,
