@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 
 NUM_LAYERS = 2
 INDEX_TOPK = 32
@@ -34,6 +35,7 @@ PROMPTS = [
 ]
 
 Answers = list[tuple[list[int], list[float]]]
+C8 = {"indexer_kv_dtype": "int8"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,88 @@ def _layer_kinds(model: Any) -> dict[str, int]:
     return kinds
 
 
+@attrs.define
+class LayerCheck:
+    """One forward_mqa call, checked against references computed from the live cache."""
+
+    layer: str
+    output: torch.Tensor
+    sparse_reference: torch.Tensor
+    """kvo-kernels' sparse_mla_attention on the same query, with this test's own gather of the
+    selected rows (block table -> slot, one token at a time)."""
+    dense_rows: list[int]
+    """Tokens whose top-k covers their whole prefix (position < index_topk)."""
+    dense_reference: torch.Tensor
+    """A plain softmax attention over all rows 0..position of those tokens."""
+    covers_prefix: bool
+    """The selection of each of those tokens is exactly {0..position}."""
+
+
+def _check_call(impl: Any, query: torch.Tensor, query_rope: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> LayerCheck:
+    from kvo_kernels.reference.primitives import sparse_mla_attention
+
+    cache = kv_cache if kv_cache.dim() == 3 else kv_cache.squeeze(1)
+    block = cache.shape[1]
+    latent = impl.kv_lora_rank
+    tokens = query.shape[0]
+    topk = impl.topk_indices_buffer[:tokens, :metadata.topk_tokens].tolist()
+    tables = metadata.block_table.tolist()
+    requests = metadata.token_request.tolist()
+    positions = metadata.token_position.tolist()
+
+    def row(request: int, position: int) -> torch.Tensor:
+        slot = tables[request][position // block] * block + position % block
+        return cache[slot // block, slot % block].float()
+
+    rows, slots = [], []
+    for t in range(tokens):
+        slots.append([])
+        for position in topk[t]:
+            if position < 0:
+                slots[t].append(-1)
+            else:
+                slots[t].append(len(rows))
+                rows.append(row(requests[t], position))
+    kv = torch.stack(rows)
+    sparse = sparse_mla_attention(query.float(), query_rope.float(), kv[:, :latent],
+                                  kv[:, latent:], torch.tensor(slots), impl.scale)
+    dense_rows = [t for t in range(tokens) if positions[t] < metadata.topk_tokens]
+    dense, covers = [], True
+    for t in dense_rows:
+        prefix = torch.stack([row(requests[t], p) for p in range(positions[t] + 1)])
+        logits = (query[t].float() @ prefix[:, :latent].T
+                  + query_rope[t].float() @ prefix[:, latent:].T) * impl.scale
+        dense.append(torch.softmax(logits, dim=-1) @ prefix[:, :latent])
+        covers &= sorted(p for p in topk[t] if p >= 0) == list(range(positions[t] + 1))
+    return LayerCheck(layer=impl.layer_info.layer_name, output=output.float().clone(),
+                      sparse_reference=sparse,
+                      dense_rows=dense_rows,
+                      dense_reference=torch.stack(dense) if dense else torch.empty(0),
+                      covers_prefix=covers)
+
+
+def _record_checks(model: Any) -> list[LayerCheck]:
+    """Wrap each kvo sparse MLA impl's forward_mqa so every call is checked (test only)."""
+    from kvo_vllm.dsa.backend import KvoSparseMLAImpl
+
+    checks: list[LayerCheck] = []
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if not isinstance(impl, KvoSparseMLAImpl):
+            continue
+        original = impl.forward_mqa
+
+        def forward_mqa(q: Any, kv_cache: torch.Tensor, metadata: Any, layer: Any,
+                        impl: Any = impl, original: Any = original) -> Any:
+            output, lse = original(q, kv_cache, metadata, layer)
+            checks.append(_check_call(impl, q[0], q[1], kv_cache, metadata, output))
+            return output, lse
+
+        impl.forward_mqa = forward_mqa
+    return checks
+
+
 @attrs.frozen
 class Served:
     first: Answers
@@ -112,6 +196,11 @@ class Served:
     prompt_lengths: list[int]
     one_at_a_time: Answers
     """The same prompts through an engine with max_num_seqs=1."""
+    checks: list[LayerCheck]
+    """Every sparse attention call of one more generate, checked against references."""
+    c8: Answers
+    """The prompts through an engine with the int8 (C8) indexer cache."""
+    c8_row_bytes: list[int]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +216,8 @@ def served(engine_env: None, dsv32_model: Path) -> Served:
         first = _generate(llm)
         counted = attrs.asdict(COUNTERS)
         second = _generate(llm)
+        checks = llm.apply_model(_record_checks)[0]
+        _generate(llm, PROMPTS[1:])
     finally:
         _stop(llm)
     single = _engine(dsv32_model, max_num_seqs=1)
@@ -134,8 +225,17 @@ def served(engine_env: None, dsv32_model: Path) -> Served:
         one_at_a_time = _generate(single)
     finally:
         _stop(single)
+    c8_engine = _engine(dsv32_model, additional_config={"kvo_sparse": C8})
+    try:
+        c8 = _generate(c8_engine)
+        c8_row_bytes = c8_engine.apply_model(
+            lambda model: sorted({m.k_cache.kv_cache.shape[-1] for m in model.modules()
+                                  if hasattr(m, "k_cache")}))[0]
+    finally:
+        _stop(c8_engine)
     return Served(first=first, second=second, counted=counted, kinds=kinds,
-                  prompt_lengths=lengths, one_at_a_time=one_at_a_time)
+                  prompt_lengths=lengths, one_at_a_time=one_at_a_time, checks=checks, c8=c8,
+                  c8_row_bytes=c8_row_bytes)
 
 
 def test_the_model_decodes_through_kvo_backend_and_indexer(served: Served) -> None:
@@ -186,3 +286,44 @@ def test_dense_models_keep_vllm_cpu_backends() -> None:
     assert KvoCpuPlatform.get_attn_backend_cls(None, sparse) == SPARSE_MLA_BACKEND
     with pytest.raises(NotImplementedError, match="Sparse Attention"):
         CpuPlatform.get_attn_backend_cls(None, sparse)
+
+
+def test_each_layer_output_equals_the_reference_sparse_attention(served: Served) -> None:
+    layers = {check.layer for check in served.checks}
+    assert len(layers) == NUM_LAYERS
+    for check in served.checks:
+        torch.testing.assert_close(check.output, check.sparse_reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_topk_covering_the_prefix_equals_dense_attention(served: Served) -> None:
+    compared = 0
+    for check in served.checks:
+        assert check.covers_prefix
+        if check.dense_rows:
+            torch.testing.assert_close(check.output[check.dense_rows], check.dense_reference,
+                                       rtol=1e-4, atol=1e-5)
+            compared += len(check.dense_rows)
+    # the short prompt entirely, the first index_topk positions of the longer one
+    assert compared >= NUM_LAYERS * (INDEX_TOPK + 1)
+
+
+def test_c8_indexer_cache_still_decodes(served: Served) -> None:
+    assert served.c8_row_bytes == [128 + 4]  # int8 key + fp16 scale + pad (bf16: 256)
+    for tokens, logprobs in served.c8:
+        assert len(tokens) == MAX_TOKENS
+        assert all(-50.0 < value <= 0.0 for value in logprobs)
+    # the C8 selection is close to bf16's: the first token (a prefill) agrees on most prompts
+    agreeing = sum(c8[0][0] == bf16[0][0] for c8, bf16 in zip(served.c8, served.first,
+                                                              strict=True))
+    assert agreeing >= len(PROMPTS) - 1
+
+
+def test_bad_sparse_settings_fail_at_start_naming_the_field(engine_env: None,
+                                                            dsv32_model: Path) -> None:
+    for settings, words in (({"indexer_kv_dtype": "fp8"}, ("indexer_kv_dtype", "'fp8'")),
+                            ({"capacity": 64}, ("unknown", "'capacity'", "hot_capacity")),
+                            ({"kernel_backend": "triton"}, ("'triton'", "auto, reference"))):
+        with pytest.raises(Exception) as raised:  # vLLM may wrap the ConfigError
+            _engine(dsv32_model, additional_config={"kvo_sparse": settings})
+        for word in words:
+            assert word in str(raised.value)
