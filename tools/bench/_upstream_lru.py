@@ -114,6 +114,6 @@ class UpstreamTable:
                                          self._max_token, self._threads, self._threads)
 
     def outputs(self) -> dict[str, torch.Tensor]:
-        return dict(slots=self.slots.to(torch.int64), miss_counts=self.miss_counts.to(torch.int64),
-                    miss_tokens=self.miss_tokens.to(torch.int64),
-                    miss_slots=self.miss_slots.to(torch.int64))
+        """The last update's outputs (int32, like kvo's ResidencyResult)."""
+        return dict(slots=self.slots, miss_counts=self.miss_counts,
+                    miss_tokens=self.miss_tokens, miss_slots=self.miss_slots)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -31,6 +32,7 @@ from _upstream_lru import ENV_VAR, UpstreamTable
 from _upstream_lru import build as build_upstream
 
 from kvo_core.residency import (
+    RESULT_DTYPE,
     ReferenceResidency,
     RequestState,
     ResidencyResult,
@@ -137,7 +139,7 @@ class Timed:
 
 def result_buffers(rows: int) -> ResidencyResult:
     """Output buffers for one update of ``rows`` rows, reused step after step."""
-    return ResidencyResult(*(torch.empty(shape, dtype=torch.int64)
+    return ResidencyResult(*(torch.empty(shape, dtype=RESULT_DTYPE)
                              for shape in ((rows, TOP_K), (rows,), (rows, TOP_K), (rows, TOP_K))))
 
 
@@ -176,6 +178,9 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
     upstream_wall: list[float] = []
     upstream_agree = True
     if nat is not None:  # a run of its own: its idle OpenMP threads spin and would slow others
+        # The native op and upstream's take the selection as int32 (vLLM's indexers give
+        # int32), converted here, outside the timing, once for both.
+        trace = [topk.int() for topk in trace]
         # The op allocates per-thread scratch on first use: a throwaway table pays for it.
         warm = Timed(native(rows, capacity, max_seq_len=seq_len), native_threads, steps)
         warm.update(trace[0], requests, stable, first, timed=False)
@@ -230,6 +235,8 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
                 cpu_speedup=ref_cpu_us / paired_cpu_us,
                 native_us=native_us, native_cpu_us=native_cpu_us, io_floor_us=io_floor_us,
                 upstream_us=upstream_us, upstream_agrees=upstream_agree if upstream_wall else None,
+                speed_vs_upstream=(upstream_us / native_us
+                                   if upstream_us is not None and native_us else None),
                 hit_rate=1 - lru_misses / selected,
                 lru_misses_per_row_step=lru_misses / (steps * rows),
                 belady_misses_per_row_step=optimum / (steps * rows),
@@ -241,6 +248,7 @@ def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: 
                load: tuple[float, float]) -> str:
     head = (f"{'R':>3} {'C':>5} {'seq':>6} {'vec us':>8} {'ref us':>9} {'ref n':>5} "
             f"{'speedup':>8} {'cpu x':>6} {'native us':>9} {'io floor':>8} {'upstream':>8} "
+            f"{'kvo/up':>6} "
             f"{'hit rate':>8} "
             f"{'LRU miss':>8} {'Belady':>7} {'LRU/OPT':>7} {'agree':>5}")
     lines = [
@@ -253,8 +261,9 @@ def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: 
         f"steps with every row NOT_OFFLOADED (argument checks and the four [R, K] outputs "
         f"written, no residency work); upstream = vllm-ascend's host LRU "
         f"(lru_resident_compact, int32, caller-owned outputs) built from {ENV_VAR}, timed "
-        f"alternately with the native op on the same steps and threads, from the same state; "
-        f"misses per row-step over the steady steps.",
+        f"alternately with the native op on the same steps and threads, from the same state "
+        f"(both given the top-k as int32); kvo/up = upstream us / native us (> 1: kvo "
+        f"faster); misses per row-step over the steady steps.",
         f"torch threads: {threads} (vectorised, reference), {native_threads} (native op); "
         f"load average {load[0]:.1f} at start, {load[1]:.1f} at end on {os.cpu_count()} CPUs.",
         head, "-" * len(head)]
@@ -262,13 +271,41 @@ def table_text(records: Sequence[dict[str, Any]], threads: int, native_threads: 
         native = f"{r['native_us']:9.0f}" if r["native_us"] is not None else f"{'n/a':>9}"
         floor = f"{r['io_floor_us']:8.0f}" if r["io_floor_us"] is not None else f"{'n/a':>8}"
         upstream = f"{r['upstream_us']:8.0f}" if r["upstream_us"] is not None else f"{'n/a':>8}"
+        ratio = (f"{r['speed_vs_upstream']:5.2f}x" if r["speed_vs_upstream"] is not None
+                 else f"{'n/a':>6}")
         lines.append(
             f"{r['rows']:>3} {r['capacity']:>5} {r['seq_len']:>6} {r['vectorised_us']:8.0f} "
             f"{r['reference_us']:9.0f} {r['ref_steps']:>5} {r['speedup']:7.1f}x "
-            f"{r['cpu_speedup']:5.1f}x {native} {floor} {upstream} {r['hit_rate']:8.3f} "
+            f"{r['cpu_speedup']:5.1f}x {native} {floor} {upstream} {ratio} {r['hit_rate']:8.3f} "
             f"{r['lru_misses_per_row_step']:8.1f} {r['belady_misses_per_row_step']:7.1f} "
             f"{r['lru_over_belady']:7.3f} {'yes' if r['results_agree'] else 'NO':>5}")
+    lines.extend(geomean_lines(records))
     return "\n".join(lines)
+
+
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def speed_geomeans(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Geometric means of kvo/up: over every shape ("all") and per R; empty without upstream."""
+    ratios = [(r["rows"], r["speed_vs_upstream"]) for r in records
+              if r["speed_vs_upstream"] is not None]
+    if not ratios:
+        return {}
+    means = {"all": geomean([v for _, v in ratios])}
+    for rows in sorted({rows for rows, _ in ratios}):
+        means[f"R={rows}"] = geomean([v for r, v in ratios if r == rows])
+    return means
+
+
+def geomean_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    means = speed_geomeans(records)
+    if not means:
+        return []
+    shapes = sum(1 for r in records if r["speed_vs_upstream"] is not None)
+    parts = [f"{name} {value:.2f}x" for name, value in means.items()]
+    return [f"kvo/up geometric mean over {shapes} shapes: " + ", ".join(parts)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.write_text(json.dumps(dict(
         benchmark="residency", top_k=TOP_K, keep=KEEP, threads=args.threads,
         native_threads=args.native_threads, quick=args.quick, load_average=load,
+        speed_vs_upstream_geomean=speed_geomeans(records),
         cpus=os.cpu_count(), native_available=native is not None,
         upstream_source=os.environ.get(ENV_VAR), results=records),
         indent=2))

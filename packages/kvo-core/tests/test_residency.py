@@ -303,7 +303,8 @@ def test_large_positions_grow_the_table(cls: Any) -> None:
 
 @impl
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(topk=t64([[1, 2]]).int()), "topk must have dtype torch.int64, got torch.int32"),
+    (dict(topk=t64([[1, 2], [3, 4]]).short()),
+     "topk must have dtype torch.int32 or torch.int64, got torch.int16"),
     (dict(topk=[[1, 2]]), "topk must be a torch.Tensor, got list"),
     (dict(topk=t64([1, 2])), r"topk must have shape \[2, K\]"),
     (dict(topk=t64([[1, 2]])), r"topk must have shape \[2, K\].*got \[1, 2\]"),
@@ -328,10 +329,10 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(cls: Any, kwargs: dict
 
 
 def _buffers(rows: int, width: int) -> ResidencyResult:
-    return ResidencyResult(slots=torch.full((rows, width), 7, dtype=torch.int64),
-                           miss_counts=torch.full((rows,), 7, dtype=torch.int64),
-                           miss_tokens=torch.full((rows, width), 7, dtype=torch.int64),
-                           miss_slots=torch.full((rows, width), 7, dtype=torch.int64))
+    return ResidencyResult(slots=torch.full((rows, width), 7, dtype=torch.int32),
+                           miss_counts=torch.full((rows,), 7, dtype=torch.int32),
+                           miss_tokens=torch.full((rows, width), 7, dtype=torch.int32),
+                           miss_slots=torch.full((rows, width), 7, dtype=torch.int32))
 
 
 @impl
@@ -356,10 +357,10 @@ def test_out_buffers_receive_the_result_a_fresh_update_returns(cls: Any) -> None
     (lambda b: "buffers", "out must be a ResidencyResult of buffers, got str"),
     (lambda b: ResidencyResult(b.slots, [0, 0], b.miss_tokens, b.miss_slots),
      "out.miss_counts must be a torch.Tensor, got list"),
-    (lambda b: ResidencyResult(b.slots.int(), b.miss_counts, b.miss_tokens, b.miss_slots),
-     r"out.slots must be int64 of shape \[2, 3\], got torch.int32"),
+    (lambda b: ResidencyResult(b.slots.long(), b.miss_counts, b.miss_tokens, b.miss_slots),
+     r"out.slots must be int32 of shape \[2, 3\], got torch.int64"),
     (lambda b: ResidencyResult(b.slots, b.miss_counts, b.miss_tokens[:, :2], b.miss_slots),
-     r"out.miss_tokens must be int64 of shape \[2, 3\], got torch.int64 \[2, 2\]"),
+     r"out.miss_tokens must be int32 of shape \[2, 3\], got torch.int32 \[2, 2\]"),
     (lambda b: ResidencyResult(b.slots, b.miss_counts, b.slots, b.miss_slots),
      "out.slots shares memory with out.miss_tokens"),
     (lambda b: ResidencyResult(b.slots, b.miss_slots[:, 0], b.miss_tokens, b.miss_slots),
@@ -389,10 +390,31 @@ def test_padding_beyond_seq_len_is_not_checked_against_max_seq_len(cls: Any) -> 
     (1, 0, "capacity must be an integer >= 1, got 0"),
     (1, 2.5, "capacity must be an integer >= 1, got 2.5"),
     (True, 4, "rows must be an integer >= 1, got True"),
+    (1, 2**20 + 1, r"capacity must be <= 2\*\*20 = 1048576 .* got 1048577"),
 ])
 def test_bad_dimensions(cls: Any, rows: Any, capacity: Any, message: str) -> None:
     with pytest.raises(ResidencyInputError, match=message):
         cls(rows, capacity)
+
+
+@impl
+def test_max_seq_len_beyond_int32_results_is_refused(cls: Any) -> None:
+    cls(1, 4, max_seq_len=2**31)
+    with pytest.raises(ResidencyInputError,
+                       match=r"max_seq_len must be <= 2\*\*31 = 2147483648 .*got 2147483649"):
+        cls(1, 4, max_seq_len=2**31 + 1)
+
+
+@impl
+def test_int32_topk_gives_the_same_result_as_int64(cls: Any) -> None:
+    wide, narrow = cls(2, 4, max_seq_len=2**31), cls(2, 4, max_seq_len=2**31)
+    calls = [([[1, 2, 3], [2**31 - 1, -1, 5]], [FIRST, FIRST]),
+             ([[4, 2, -7], [5, 6, 2**31 - 1]], [STEADY, STEADY]),
+             ([[9, 8, 1], [7, 5, 6]], [STEADY, NOT_OFFLOADED])]
+    for topk, states in calls:
+        args = (t64([0, 1]), t64([2**31, 2**31]), t64(states))
+        assert_same(wide.update(t64(topk), *args), narrow.update(t64(topk).int(), *args))
+        assert torch.equal(wide.slot_tokens, narrow.slot_tokens)
 
 
 # ------------------------------------------------------------------- random traces, invariants
@@ -401,7 +423,7 @@ def test_bad_dimensions(cls: Any, rows: Any, capacity: Any, message: str) -> Non
 def assert_same(a: ResidencyResult, b: ResidencyResult) -> None:
     for field in RESULT_FIELDS:
         x, y = getattr(a, field), getattr(b, field)
-        assert x.dtype == y.dtype == torch.int64, field
+        assert x.dtype == y.dtype == torch.int32, field
         assert torch.equal(x, y), f"{field}: {x.tolist()} != {y.tolist()}"
 
 

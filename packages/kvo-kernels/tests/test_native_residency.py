@@ -45,7 +45,7 @@ def _i64(values: object) -> torch.Tensor:
 def _assert_same(expected: ResidencyResult, actual: ResidencyResult, where: str) -> None:
     for name in OUTPUTS:
         want, got = getattr(expected, name), getattr(actual, name)
-        assert got.dtype == torch.int64, f"{where}: {name} dtype {got.dtype}"
+        assert got.dtype == torch.int32, f"{where}: {name} dtype {got.dtype}"
         assert torch.equal(want, got), f"{where}: {name}\nwant {want}\ngot  {got}"
 
 
@@ -98,7 +98,8 @@ def traces(draw: st.DrawFn) -> dict[str, object]:
             "seq_lens": draw(st.one_of(st.none(), st.lists(
                 st.integers(0, seq + 3), min_size=rows, max_size=rows))),
         })
-    return {"rows": rows, "capacity": capacity, "steps": steps}
+    int32 = draw(st.booleans(), label="int32 top-k")
+    return {"rows": rows, "capacity": capacity, "steps": steps, "int32": int32}
 
 
 @settings(max_examples=120, deadline=None)
@@ -110,12 +111,13 @@ def test_random_traces_match_the_reference_bit_for_bit(trace: dict) -> None:
     for i, step in enumerate(trace["steps"]):
         states = None if step["states"] is None else _i64(step["states"])
         seq_lens = None if step["seq_lens"] is None else _i64(step["seq_lens"])
-        _step_all(tables, f"step {i}", _i64(step["topk"]), _i64(step["requests"]),
-                  _i64(step["stable"]), states, seq_lens=seq_lens)
+        topk = _i64(step["topk"])
+        _step_all(tables, f"step {i}", topk.int() if trace["int32"] else topk,
+                  _i64(step["requests"]), _i64(step["stable"]), states, seq_lens=seq_lens)
 
 
 def _buffers(rows: int, width: int) -> ResidencyResult:
-    return ResidencyResult(*(torch.full(shape, 7, dtype=torch.int64)
+    return ResidencyResult(*(torch.full(shape, 7, dtype=torch.int32)
                              for shape in ((rows, width), (rows,), (rows, width), (rows, width))))
 
 
@@ -151,14 +153,14 @@ def _native_out_cases() -> list[tuple[str, Replacement, str]]:
     """(field of out to replace, its replacement from (table, call, buffers), error)."""
     return [
         ("slots", lambda n, c, b: c["topk"], "out.slots shares memory with topk"),
-        ("miss_tokens", lambda n, c, b: n._tokens[:, :4],
+        ("miss_tokens", lambda n, c, b: n._tokens.view(torch.int32)[:, :4],
          "out.miss_tokens shares memory with slot_tokens"),
         ("miss_slots", lambda n, c, b: b.slots, "out.slots shares memory with out.miss_slots"),
-        ("slots", lambda n, c, b: torch.zeros(1, 8, dtype=torch.int64)[:, ::2],
+        ("slots", lambda n, c, b: torch.zeros(1, 8, dtype=torch.int32)[:, ::2],
          "out.slots must be contiguous"),
-        ("miss_counts", lambda n, c, b: torch.zeros(2, dtype=torch.int64),
+        ("miss_counts", lambda n, c, b: torch.zeros(2, dtype=torch.int32),
          r"out.miss_counts must have shape \[1\], got \[2\]"),
-        ("slots", lambda n, c, b: torch.zeros(1, 4, dtype=torch.int32), "out.slots must be int64"),
+        ("slots", lambda n, c, b: torch.zeros(1, 4, dtype=torch.int64), "out.slots must be int32"),
         ("slots", lambda n, c, b: [[0] * 4], "out.slots must be a torch.Tensor, got list"),
         ("", lambda n, c, b: "out", "out must be a ResidencyResult of buffers, got str"),
     ]
@@ -171,7 +173,7 @@ def test_bad_out_buffers_are_refused_with_the_buffer_named(
     call = {"topk": _i64([[1, 2, 3, 4]]), "request_ids": _i64([0]), "stable_lens": _i64([9])}
     native.update(**call)
     before = {name: getattr(native, name) for name in STATE}
-    call["topk"] = _i64([[5, 2, 6, 1]])
+    call["topk"] = _i64([[5, 2, 6, 1]]).int()  # int32 like the buffers: may share memory
     buffers = _buffers(1, 4)
     value = replacement(native, call, buffers)
     out = attrs.evolve(buffers, **{field: value}) if field else value
@@ -253,17 +255,19 @@ def test_far_token_positions_mixed_with_near_ones() -> None:
               _i64([1 << 30, far]))
 
 
-def test_token_positions_beyond_32_bits() -> None:
-    base = 3 * 2**31 + 5
-    reference = ReferenceResidency(2, 4, max_seq_len=2**40)
-    native = NativeResidencyTable(2, 4, max_seq_len=2**40)
+def test_token_positions_up_to_the_int32_limit() -> None:
+    base = 2**31 - 40
+    reference = ReferenceResidency(2, 4, max_seq_len=2**31)
+    native = NativeResidencyTable(2, 4, max_seq_len=2**31)
     tables: list[Table] = [reference, native]
-    steps = [[[base, base + 7, -1], [2**39, 1, 2**39]],
-             [[base + 9, base, base + 7], [2, 2**39 + 1, 1]],
-             [[base + 1, base + 2, base + 3], [2**39, 2**39 + 2, 3]]]
+    steps = [[[base, base + 7, -1], [2**31 - 1, 1, 2**30]],
+             [[base + 9, base, base + 7], [2, 2**31 - 2, 1]],
+             [[base + 1, base + 2, base + 3], [2**31 - 1, 2**30 + 2, 3]]]
     for i, topk in enumerate(steps):
-        _step_all(tables, f"step {i}", _i64(topk), _i64([1, 2]), _i64([2**40, 2**40]))
-    assert int(native.slot_tokens.max()) >= 2**39  # no truncation to 32 bits anywhere
+        wide = _i64(topk)
+        _step_all(tables, f"step {i}", wide.int() if i % 2 else wide, _i64([1, 2]),
+                  _i64([2**31, 2**31]))
+    assert int(native.slot_tokens.max()) == 2**31 - 1  # no truncation anywhere
 
 
 def _assert_native_invariants(native: NativeResidencyTable, where: str) -> None:
@@ -292,11 +296,11 @@ def test_long_traces_wrap_and_compact_the_deep_log() -> None:
     to the reference at every step, with the structure checked too."""
     rng = random.Random(11)
     rows, capacity = 2, 6
-    reference = ReferenceResidency(rows, capacity, max_seq_len=1 << 41)
-    native = NativeResidencyTable(rows, capacity, max_seq_len=1 << 41)
+    reference = ReferenceResidency(rows, capacity, max_seq_len=1 << 31)
+    native = NativeResidencyTable(rows, capacity, max_seq_len=1 << 31)
     tables: list[Table] = [reference, native]
     requests = [0, 0]
-    far = 1 << 40
+    far = (1 << 31) - 16
     for i in range(600):
         width = rng.randint(1, 7)
         def token() -> int:
@@ -322,16 +326,29 @@ def test_long_traces_wrap_and_compact_the_deep_log() -> None:
         _assert_native_invariants(native, f"step {i}")
 
 
+def _tokens_sharing_a_window_index_cell(count: int) -> list[int]:
+    """Tokens below 2**31 whose window-index hashes (residency_scan.h: the low 32 bits times
+    0x9E3779B1, mod 2**32, top bits) agree in their top 20 bits: one cell for any index of up
+    to 2**20 cells, however large the thread's index has grown."""
+    multiplier = 0x9E3779B1
+    inverse = pow(multiplier, -1, 1 << 32)
+    for high in range(1, 1 << 20):
+        tokens = [((high << 12 | low) * inverse) % (1 << 32) for low in range(count)]
+        if max(tokens) < 1 << 31:
+            return tokens
+    raise AssertionError("no such tokens")
+
+
 def test_tokens_sharing_a_window_index_cell() -> None:
-    """Tokens 2**32 apart share a cell of the window index (it hashes the low 32 bits): all
-    but one of them are found through the row's slow path, with the same results."""
-    tables: list[Table] = [ReferenceResidency(1, 8, max_seq_len=1 << 40),
-                           NativeResidencyTable(1, 8, max_seq_len=1 << 40)]
-    same_cell = [5 + (i << 32) for i in range(6)]
+    """Tokens sharing a cell of the window index: all but one of them are found through the
+    row's slow path, with the same results."""
+    tables: list[Table] = [ReferenceResidency(1, 8, max_seq_len=1 << 31),
+                           NativeResidencyTable(1, 8, max_seq_len=1 << 31)]
+    same_cell = _tokens_sharing_a_window_index_cell(6)
     steps = [same_cell[:4], same_cell[1:5], [same_cell[0], same_cell[5], 9, same_cell[2]],
              same_cell[::-1], [same_cell[3], same_cell[3], 7, same_cell[1]]]
     for i, topk in enumerate(steps):
-        _step_all(tables, f"step {i}", _i64([topk]), _i64([0]), _i64([1 << 40]))
+        _step_all(tables, f"step {i}", _i64([topk]), _i64([0]), _i64([1 << 31]))
         _assert_native_invariants(tables[1], f"step {i}")  # type: ignore[arg-type]
 
 
@@ -348,15 +365,15 @@ def test_misses_beyond_the_deep_log_take_window_slots() -> None:
         _assert_native_invariants(tables[1], f"step {i}")  # type: ignore[arg-type]
 
 
-def test_largest_token_positions_and_the_packing_limits() -> None:
-    top = (1 << 43) - 1
-    tables: list[Table] = [ReferenceResidency(1, 4, max_seq_len=1 << 43),
-                           NativeResidencyTable(1, 4, max_seq_len=1 << 43)]
+def test_largest_token_positions_and_the_limits() -> None:
+    top = (1 << 31) - 1
+    tables: list[Table] = [ReferenceResidency(1, 4, max_seq_len=1 << 31),
+                           NativeResidencyTable(1, 4, max_seq_len=1 << 31)]
     for i, topk in enumerate([[top, top - 1, 0], [top, 5, top - 2], [1, top - 1, top]]):
-        _step_all(tables, f"step {i}", _i64([topk]), _i64([0]), _i64([1 << 43]))
-    with pytest.raises(ResidencyInputError, match="max_seq_len must be <= 2\\*\\*43"):
-        NativeResidencyTable(1, 4, max_seq_len=(1 << 43) + 1)
-    with pytest.raises(ResidencyInputError, match="capacity must be <= 1048576"):
+        _step_all(tables, f"step {i}", _i64([topk]).int(), _i64([0]), _i64([1 << 31]))
+    with pytest.raises(ResidencyInputError, match="max_seq_len must be <= 2\\*\\*31"):
+        NativeResidencyTable(1, 4, max_seq_len=(1 << 31) + 1)
+    with pytest.raises(ResidencyInputError, match="capacity must be <= 2\\*\\*20 = 1048576"):
         NativeResidencyTable(1, (1 << 20) + 1)
 
 
@@ -423,7 +440,7 @@ def _valid_call() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("change", "argument"), [
-    (lambda c: c.update(topk=c["topk"].int()), "topk"),
+    (lambda c: c.update(topk=c["topk"].short()), "topk"),
     (lambda c: c.update(topk=c["topk"][:1]), "topk"),
     (lambda c: c.update(topk=torch.empty(2, 0, dtype=torch.int64)), "topk"),
     (lambda c: c.update(topk=[[1, 2], [3, 4]]), "topk"),
@@ -523,8 +540,8 @@ def test_the_op_checks_its_own_arguments() -> None:
     native = NativeResidencyTable(1, 4)
     op = torch.ops.kvo.residency_update
     state = (native._tokens, native._window, native._deep, native._meta, native._requests)
-    with pytest.raises(ValueError, match="topk must be int64"):
-        op(*state, torch.zeros(1, 2, dtype=torch.int32), _i64([0]), _i64([1]), _i64([STEADY]),
+    with pytest.raises(ValueError, match="topk must be int32 or int64, got Short"):
+        op(*state, torch.zeros(1, 2, dtype=torch.int16), _i64([0]), _i64([1]), _i64([STEADY]),
            None, 16)
     with pytest.raises(ValueError, match="lru_window must have a power-of-two width"):
         op(native._tokens, native._window[:, :3].contiguous(), *state[2:], _i64([[1]]),
@@ -534,8 +551,8 @@ def test_the_op_checks_its_own_arguments() -> None:
            _i64([0]), _i64([1]), _i64([STEADY]), None, 16)
     with pytest.raises(ValueError, match="stable_lens has 2 rows"):
         op(*state, _i64([[1]]), _i64([0]), _i64([1, 1]), _i64([STEADY]), None, 16)
-    with pytest.raises(ValueError, match="max_seq_len must be in"):
-        op(*state, _i64([[1]]), _i64([0]), _i64([1]), _i64([STEADY]), None, 1 << 44)
+    with pytest.raises(ValueError, match=r"max_seq_len must be in \[1, 2\*\*31\], got 2147483649"):
+        op(*state, _i64([[1]]), _i64([0]), _i64([1]), _i64([STEADY]), None, (1 << 31) + 1)
 
 
 def test_the_out_op_through_the_dispatcher_writes_what_the_allocating_one_returns() -> None:

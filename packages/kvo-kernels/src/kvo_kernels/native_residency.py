@@ -22,6 +22,7 @@ from kvo_core.residency import (
     DEFAULT_MAX_SEQ_LEN,
     EMPTY,
     NO_REQUEST,
+    TOPK_DTYPES,
     RequestState,
     ResidencyInputError,
     ResidencyOverflowError,
@@ -36,8 +37,9 @@ _OVERFLOW_PREFIX = "residency overflow: "
 SLOT_BITS = 20
 MAX_CAPACITY = 1 << SLOT_BITS
 """The largest capacity the op takes (an entry packs its slot in 20 bits)."""
-MAX_SEQ_LEN = 1 << (63 - SLOT_BITS)
-"""The largest max_seq_len the op takes (an entry packs its token in the other 43)."""
+MAX_SEQ_LEN = 1 << 31
+"""The largest max_seq_len the op takes (tokens are int32 outputs; an entry packs its token in
+the other 43 bits)."""
 TOMBSTONE = NO_ENTRY = -(1 << 63)
 """A hole in the deep log, and a window entry past the window's end: no entry equals it."""
 
@@ -48,12 +50,14 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _row_tensor(name: str, value: object, ndim: int, rows: int) -> torch.Tensor:
-    """An int64 CPU tensor with one entry (ndim 1) or one row (ndim 2) per residency row."""
+def _row_tensor(name: str, value: object, ndim: int, rows: int,
+                dtypes: tuple[torch.dtype, ...] = (_I64,)) -> torch.Tensor:
+    """A CPU tensor with one entry (ndim 1) or one row (ndim 2) per residency row."""
     if not isinstance(value, torch.Tensor):
         raise ResidencyInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != _I64:
-        raise ResidencyInputError(f"{name} must have dtype torch.int64, got {value.dtype}")
+    if value.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise ResidencyInputError(f"{name} must have dtype {allowed}, got {value.dtype}")
     if value.dim() != ndim or value.shape[0] != rows:
         want = f"[{rows}, K]" if ndim == 2 else f"[{rows}]"
         raise ResidencyInputError(
@@ -85,12 +89,12 @@ class NativeResidencyTable:
         self._max_seq_len = _positive_int("max_seq_len", max_seq_len)
         if capacity > MAX_CAPACITY:
             raise ResidencyInputError(
-                f"capacity must be <= {MAX_CAPACITY} (slots are packed in 20 bits), "
-                f"got {capacity}")
+                f"capacity must be <= 2**20 = {MAX_CAPACITY} (slot ids are int32 results and "
+                f"packed in 20 bits), got {capacity}")
         if max_seq_len > MAX_SEQ_LEN:
             raise ResidencyInputError(
-                f"max_seq_len must be <= 2**43 (tokens are packed with their slot in one "
-                f"int64), got {max_seq_len}")
+                f"max_seq_len must be <= 2**31 = {MAX_SEQ_LEN} (token positions are int32 "
+                f"results), got {max_seq_len}")
         if torch.device(device) != _CPU:
             raise ResidencyInputError(
                 f"device must be cpu (the native residency op runs on the host), got {device!r}")
@@ -154,14 +158,15 @@ class NativeResidencyTable:
                out: ResidencyResult | None = None) -> ResidencyResult:
         """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6).
 
-        ``topk`` [R, K] token positions (negative, or at/after ``seq_lens[r]`` when given, are
-        padding; a repeat counts once); ``request_ids`` [R]; ``stable_lens`` [R] (resident
-        tokens at or after it are dropped first); ``states`` [R] ``RequestState`` codes,
-        default STEADY. All int64 CPU tensors. ``out``: buffers to write the result into and
-        return (contiguous int64, shapes [R, K], [R], [R, K], [R, K], sharing no memory with
-        the arguments or each other), e.g. allocated once for a decode loop; by default the
-        result is new tensors. Raises ResidencyInputError / ResidencyOverflowError with the
-        table unchanged (``out`` may then hold anything).
+        ``topk`` [R, K] token positions, int32 or int64 (negative, or at/after ``seq_lens[r]``
+        when given, are padding; a repeat counts once); ``request_ids`` [R]; ``stable_lens``
+        [R] (resident tokens at or after it are dropped first); ``states`` [R]
+        ``RequestState`` codes, default STEADY; these int64. All CPU tensors. ``out``: buffers
+        to write the int32 result into and return (contiguous int32, shapes [R, K], [R],
+        [R, K], [R, K], sharing no memory with the arguments or each other), e.g. allocated
+        once for a decode loop; by default the result is new tensors. Raises
+        ResidencyInputError / ResidencyOverflowError with the table unchanged (``out`` may
+        then hold anything).
         """
         if states is None:
             states = self._steady
@@ -194,7 +199,7 @@ class NativeResidencyTable:
                          states: object, seq_lens: object) -> None:
         """Type, dtype, shape and device of every argument (values: the op's own messages)."""
         rows = self._rows
-        checked = _row_tensor("topk", topk, 2, rows)
+        checked = _row_tensor("topk", topk, 2, rows, TOPK_DTYPES)
         if checked.shape[1] < 1:
             raise ResidencyInputError(
                 f"topk must have at least one column, got {list(checked.shape)}")

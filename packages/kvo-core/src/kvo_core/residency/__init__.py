@@ -8,7 +8,13 @@ optimum to judge the policy by.
 """
 
 from kvo_core.residency.belady import belady_min_misses
-from kvo_core.residency.inputs import DEFAULT_MAX_SEQ_LEN
+from kvo_core.residency.inputs import (
+    DEFAULT_MAX_SEQ_LEN,
+    MAX_CAPACITY,
+    MAX_SEQ_LEN,
+    RESULT_DTYPE,
+    TOPK_DTYPES,
+)
 from kvo_core.residency.reference import ReferenceResidency
 from kvo_core.residency.state import (
     EMPTY,
@@ -23,7 +29,11 @@ from kvo_core.residency.table import ResidencyTable
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
     "EMPTY",
+    "MAX_CAPACITY",
+    "MAX_SEQ_LEN",
     "NO_REQUEST",
+    "RESULT_DTYPE",
+    "TOPK_DTYPES",
     "ReferenceResidency",
     "RequestState",
     "ResidencyInputError",

@@ -19,6 +19,18 @@ from kvo_core.residency.state import (
 DEFAULT_MAX_SEQ_LEN = 1 << 20
 """Default bound on token positions (exclusive). A larger selected position is a caller bug."""
 
+MAX_CAPACITY = 1 << 20
+"""The most slots a row may have: slot ids below 2**20 (the native op packs them in 20 bits)."""
+
+MAX_SEQ_LEN = 1 << 31
+"""The largest max_seq_len a table takes: every token position fits the int32 results."""
+
+RESULT_DTYPE = torch.int32
+"""The dtype of every ResidencyResult field."""
+
+TOPK_DTYPES = (torch.int32, torch.int64)
+"""The dtypes a top-k selection may come in (vLLM's indexers give int32)."""
+
 
 def _positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -28,16 +40,27 @@ def _positive_int(name: str, value: object) -> int:
 
 def check_dimensions(rows: object, capacity: object, max_seq_len: object) -> tuple[int, int, int]:
     """Validate a table's constructor arguments and return them as ints."""
-    return (_positive_int("rows", rows), _positive_int("capacity", capacity),
-            _positive_int("max_seq_len", max_seq_len))
+    checked = (_positive_int("rows", rows), _positive_int("capacity", capacity),
+               _positive_int("max_seq_len", max_seq_len))
+    if checked[1] > MAX_CAPACITY:
+        raise ResidencyInputError(
+            f"capacity must be <= 2**20 = {MAX_CAPACITY} (slot ids are int32 results and "
+            f"packed in 20 bits), got {checked[1]}")
+    if checked[2] > MAX_SEQ_LEN:
+        raise ResidencyInputError(
+            f"max_seq_len must be <= 2**31 = {MAX_SEQ_LEN} (token positions are int32 results), "
+            f"got {checked[2]}")
+    return checked
 
 
-def _int64_tensor(name: str, value: object, ndim: int, rows: int,
-                  device: torch.device | None) -> torch.Tensor:
+def _index_tensor(name: str, value: object, ndim: int, rows: int,
+                  device: torch.device | None,
+                  dtypes: tuple[torch.dtype, ...] = (torch.int64,)) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ResidencyInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != torch.int64:
-        raise ResidencyInputError(f"{name} must have dtype torch.int64, got {value.dtype}")
+    if value.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise ResidencyInputError(f"{name} must have dtype {allowed}, got {value.dtype}")
     if value.dim() != ndim or value.shape[0] != rows:
         want = f"[{rows}, K]" if ndim == 2 else f"[{rows}]"
         raise ResidencyInputError(
@@ -68,17 +91,17 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
     Top-k entries that are negative, or at/after ``seq_lens[r]`` when given, are padding.
     Every other entry must be below ``max_seq_len``.
     """
-    topk_t = _int64_tensor("topk", topk, 2, rows, device)
+    topk_t = _index_tensor("topk", topk, 2, rows, device, TOPK_DTYPES)
     if topk_t.shape[1] < 1:
         raise ResidencyInputError(f"topk must have at least one column, got {list(topk_t.shape)}")
-    _int64_tensor("request_ids", request_ids, 1, rows, device)
-    stable = _int64_tensor("stable_lens", stable_lens, 1, rows, device)
+    _index_tensor("request_ids", request_ids, 1, rows, device)
+    stable = _index_tensor("stable_lens", stable_lens, 1, rows, device)
     if bool((stable < 0).any()):
         raise ResidencyInputError(
             f"stable_lens must be >= 0, got {stable.tolist()}")
     in_range = topk_t >= 0
     if seq_lens is not None:
-        lens = _int64_tensor("seq_lens", seq_lens, 1, rows, device)
+        lens = _index_tensor("seq_lens", seq_lens, 1, rows, device)
         if bool((lens < 0).any()):
             raise ResidencyInputError(f"seq_lens must be >= 0, got {lens.tolist()}")
         in_range &= topk_t < lens[:, None]
@@ -86,7 +109,7 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
     if seq_lens is None:
         max_token = max(int(topk_t.max()), -1)
     else:
-        max_token = int(((topk_t + 1) * in_range).max()) - 1
+        max_token = int(((topk_t.long() + 1) * in_range).max()) - 1
     if max_token >= max_seq_len:
         raise ResidencyInputError(
             f"topk holds token position {max_token}, at or beyond max_seq_len={max_seq_len}; "
@@ -95,7 +118,7 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
         steady = torch.full((rows,), int(RequestState.STEADY), dtype=torch.int64,
                             device=topk_t.device)
         return CheckedUpdate(steady, in_range, max_token)
-    states_t = _int64_tensor("states", states, 1, rows, device)
+    states_t = _index_tensor("states", states, 1, rows, device)
     allowed = sorted(int(s) for s in RequestState)  # a contiguous range: -3, -2, -1
     if bool(((states_t < allowed[0]) | (states_t > allowed[-1])).any()):
         raise ResidencyInputError(
@@ -107,15 +130,15 @@ def check_update_inputs(rows: int, max_seq_len: int, topk: object, request_ids: 
 def check_out(out: object, rows: int, width: int, device: torch.device) -> None:
     """The caller's output buffers of an update, checked before anything changes.
 
-    int64 tensors on the table's device shaped like the result ([R, K], [R], [R, K], [R, K]),
+    int32 tensors on the table's device shaped like the result ([R, K], [R], [R, K], [R, K]),
     no two sharing memory (each is written whole).
     """
     spans = []
     for name, buffer in zip(RESULT_FIELDS, out_buffers(out), strict=True):
         shape = [rows] if name == "miss_counts" else [rows, width]
-        if buffer.dtype != torch.int64 or list(buffer.shape) != shape:
+        if buffer.dtype != RESULT_DTYPE or list(buffer.shape) != shape:
             raise ResidencyInputError(
-                f"out.{name} must be int64 of shape {shape}, got {buffer.dtype} "
+                f"out.{name} must be int32 of shape {shape}, got {buffer.dtype} "
                 f"{list(buffer.shape)}")
         if buffer.device != device:
             raise ResidencyInputError(

@@ -18,6 +18,7 @@ import torch
 
 from kvo_core.residency.inputs import (
     DEFAULT_MAX_SEQ_LEN,
+    RESULT_DTYPE,
     check_dimensions,
     check_out,
     check_update_inputs,
@@ -142,10 +143,10 @@ class ReferenceResidency:
             miss_tokens.append(misses + [EMPTY] * (width - len(misses)))
             miss_slots.append(filled + [EMPTY] * (width - len(filled)))
         result = ResidencyResult(
-            slots=torch.tensor(slots, dtype=torch.int64),
-            miss_counts=torch.tensor(miss_counts, dtype=torch.int64),
-            miss_tokens=torch.tensor(miss_tokens, dtype=torch.int64),
-            miss_slots=torch.tensor(miss_slots, dtype=torch.int64))
+            slots=torch.tensor(slots, dtype=RESULT_DTYPE),
+            miss_counts=torch.tensor(miss_counts, dtype=RESULT_DTYPE),
+            miss_tokens=torch.tensor(miss_tokens, dtype=RESULT_DTYPE),
+            miss_slots=torch.tensor(miss_slots, dtype=RESULT_DTYPE))
         return result if out is None else result.copy_into(out)
 
     def _update_row(self, r: int, selected: list[int], request: int, stable_len: int,

@@ -41,7 +41,11 @@ class ResidencyInputError(KvoError, ValueError):
 
 @attrs.frozen(eq=False)
 class ResidencyResult:
-    """What one update tells the copy and attention steps, per row (all int64, -1 = padding).
+    """What one update tells the copy and attention steps, per row (all int32, -1 = padding).
+
+    int32 like upstream's contract: half the bytes of int64 for the largest outputs of a decode
+    step, and every supported table fits (slots < 2**20, tokens < 2**31, checked when a
+    table is built).
 
     ``slots[r, j]`` is the hot-buffer slot of top-k position ``j``; ``miss_tokens[r, :n]`` and
     ``miss_slots[r, :n]`` with ``n = miss_counts[r]`` list the host -> device copies, each

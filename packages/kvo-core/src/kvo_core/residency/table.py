@@ -125,6 +125,7 @@ class ResidencyTable:
         checked = check_update_inputs(
             self._rows, self._max_seq_len, topk, request_ids, stable_lens, states, seq_lens,
             self._device)
+        topk = topk.to(_I64)  # the arithmetic below is int64; results are int32
         rows, width = topk.shape
         if out is not None:
             check_out(out, rows, width, self._device)
@@ -231,11 +232,11 @@ class ResidencyTable:
         if not all_active:
             slots = torch.where(~active[:, None] & checked.in_range, topk, slots)
 
-        miss_tokens = torch.full((rows, width), EMPTY, dtype=_I64, device=self._device)
+        miss_tokens = torch.full((rows, width), EMPTY, dtype=_I32, device=self._device)
         miss_tokens[:, :most] = fill_tokens
-        miss_slots = torch.full((rows, width), EMPTY, dtype=_I64, device=self._device)
+        miss_slots = torch.full((rows, width), EMPTY, dtype=_I32, device=self._device)
         miss_slots[:, :most] = fill_slots
-        result = ResidencyResult(slots=slots, miss_counts=miss_counts,
+        result = ResidencyResult(slots=slots.to(_I32), miss_counts=miss_counts.to(_I32),
                                  miss_tokens=miss_tokens, miss_slots=miss_slots)
         return result if out is None else result.copy_into(out)
 

@@ -27,6 +27,9 @@
 namespace kvo_residency {
 namespace {
 
+// The largest max_seq_len: every token position fits the int32 outputs.
+constexpr int64_t kMaxSeqLen = int64_t{1} << 31;
+
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
                   int64_t dims) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "residency_update: ", name,
@@ -66,16 +69,18 @@ int64_t check_capacity(const at::Tensor& slot_tokens, const char* op) {
 }
 
 // An input tensor with one entry (or one row) per residency row; made contiguous if needed.
-at::Tensor input_rows(const at::Tensor& t, const char* name, int64_t dims, int64_t rows) {
-  check_tensor(t, name, at::kLong, dims);
+at::Tensor input_rows(const at::Tensor& t, const char* name, int64_t dims, int64_t rows,
+                      at::ScalarType dtype = at::kLong) {
+  check_tensor(t, name, dtype, dims);
   TORCH_CHECK_VALUE(t.size(0) == rows, "residency_update: ", name, " has ", t.size(0),
                     " rows but the table has ", rows);
   return t.contiguous();
 }
 
 // First failing value of one row (checked before anything changes), or an empty string.
+template <typename Token>
 std::string check_row_values(int64_t r, int64_t state, int64_t stable_len, int64_t limit,
-                             const int64_t* topk, int64_t width, int64_t max_seq_len) {
+                             const Token* topk, int64_t width, int64_t max_seq_len) {
   if (stable_len < 0) {
     return "stable_lens[" + std::to_string(r) + "] is " + std::to_string(stable_len) +
            "; must be >= 0";
@@ -102,113 +107,95 @@ std::string check_row_values(int64_t r, int64_t state, int64_t stable_len, int64
   return {};
 }
 
-// Runs body(r) for every row: inline for one row or one thread (no OpenMP region to start),
-// else over `threads` threads. Rows are handed out one at a time (dynamic): on a shared
-// machine a thread may be descheduled for milliseconds, and the others take over its rows.
-template <typename Body>
-void for_each_row(int64_t rows, int threads, const Body& body) {
-  if (threads <= 1) {
-    for (int64_t r = 0; r < rows; ++r) body(r);
-    return;
-  }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t r = 0; r < rows; ++r) body(r);
-}
-
-// Where one call writes its results: [R, K], [R], [R, K], [R, K] int64, contiguous.
+// Where one call writes its results: [R, K], [R], [R, K], [R, K] int32, contiguous.
 struct Outputs {
-  int64_t* slots;
-  int64_t* miss_counts;
-  int64_t* miss_tokens;
-  int64_t* miss_slots;
+  int32_t* slots;
+  int32_t* miss_counts;
+  int32_t* miss_tokens;
+  int32_t* miss_slots;
 };
 
 // The width K of the call, once `topk` is checked (the outputs' shapes depend on it).
 using MakeOutputs = std::function<Outputs(int64_t rows, int64_t width)>;
 
-// Checks every argument and value, then updates the rows; make_outputs is asked for the
-// output buffers only once nothing can fail any more except a corrupt row.
-void run_update(at::Tensor& slot_tokens, at::Tensor& lru_window, at::Tensor& lru_deep,
-                at::Tensor& row_meta, at::Tensor& row_requests, const at::Tensor& topk_in,
-                const at::Tensor& request_ids_in, const at::Tensor& stable_lens_in,
-                const at::Tensor& states_in, const std::optional<at::Tensor>& seq_lens_in,
-                int64_t max_seq_len, const MakeOutputs& make_outputs) {
-  const int64_t capacity = check_capacity(slot_tokens, "residency_update");
-  const int64_t rows = slot_tokens.size(0);
-  check_state(slot_tokens, "slot_tokens", {rows, capacity});
-  const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
-  const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
-  check_state(row_meta, "row_meta", {rows, kMetaFields});
-  check_state(row_requests, "row_requests", {rows});
-  const at::Tensor topk = input_rows(topk_in, "topk", 2, rows);
-  const at::Tensor request_ids = input_rows(request_ids_in, "request_ids", 1, rows);
-  const at::Tensor stable_lens = input_rows(stable_lens_in, "stable_lens", 1, rows);
-  const at::Tensor states = input_rows(states_in, "states", 1, rows);
-  const int64_t width = topk.size(1);
-  TORCH_CHECK_VALUE(width >= 1, "residency_update: topk must have at least one column, got "
-                    "shape ", topk.sizes());
-  TORCH_CHECK_VALUE(width <= (int64_t{1} << 30), "residency_update: topk width ", width,
-                    " is too large (at most 2**30)");
-  // A token and its slot share one int64 (lru_log.h): tokens must stay below 2**43.
-  TORCH_CHECK_VALUE(max_seq_len >= 1 && max_seq_len <= kTokenLimit, "residency_update: "
-                    "max_seq_len must be in [1, 2**", 63 - kSlotBits, "], got ", max_seq_len);
-  at::Tensor seq_lens;
-  const int64_t* limits = nullptr;
-  if (seq_lens_in.has_value()) {
-    seq_lens = input_rows(*seq_lens_in, "seq_lens", 1, rows);
-    limits = seq_lens.data_ptr<int64_t>();
-  }
+// The checked arguments of one call, as pointers (the state is updated in place).
+struct Rows {
+  int64_t* tokens;
+  int64_t* windows;
+  int64_t* deeps;
+  int64_t* metas;
+  int64_t* req;
+  const int64_t* rid;
+  const int64_t* stable_ptr;
+  const int64_t* state_ptr;
+  const int64_t* limits;  // nullptr: no seq_lens
+  int64_t rows;
+  int64_t capacity;
+  int64_t window_size;
+  int64_t deep_size;
+  int64_t width;
+  int64_t max_seq_len;
+};
 
-  int64_t* tokens = slot_tokens.data_ptr<int64_t>();
-  int64_t* windows = lru_window.data_ptr<int64_t>();
-  int64_t* deeps = lru_deep.data_ptr<int64_t>();
-  int64_t* metas = row_meta.data_ptr<int64_t>();
-  int64_t* req = row_requests.data_ptr<int64_t>();
-  const int64_t* tk = topk.data_ptr<int64_t>();
-  const int64_t* rid = request_ids.data_ptr<int64_t>();
-  const int64_t* stable_ptr = stable_lens.data_ptr<int64_t>();
-  const int64_t* state_ptr = states.data_ptr<int64_t>();
-
-  // Phase 1, nothing changes yet: the values of every row (a cheap serial scan: a second
-  // parallel region costs more than it saves), then, only when the width exceeds the capacity
-  // so that an overflow is possible, each row's distinct count. A failing row fails the call.
-  for (int64_t r = 0; r < rows; ++r) {
-    const std::string problem =
-        check_row_values(r, state_ptr[r], stable_ptr[r], limits ? limits[r] : kNoLimit,
-                         tk + r * width, width, max_seq_len);
-    TORCH_CHECK_VALUE(problem.empty(), "residency_update: ", problem);
-  }
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
-  if (width > capacity) {
-    std::vector<int64_t> overflow(static_cast<size_t>(rows), -1);
-    for_each_row(rows, threads, [&](int64_t r) {
-      if (state_ptr[r] == kNotOffloaded) return;
-      Scratch& scratch = thread_scratch();
-      scratch.prepare(width, capacity, window_size, deep_size);
-      const int64_t count =
-          scratch.count_distinct(tk + r * width, width, limits ? limits[r] : kNoLimit);
-      if (count > capacity) overflow[r] = count;
-    });
-    for (int64_t r = 0; r < rows; ++r) {
-      // kvo_core.residency.inputs.overflow_message, word for word.
-      TORCH_CHECK(overflow[r] < 0, "residency overflow: row ", r, " selects ", overflow[r],
-                  " distinct tokens but the hot buffer has only ", capacity,
-                  " slots; capacity must be >= the distinct top-k tokens of a row");
-    }
-  }
+// Checks every row's values, then updates the rows (int32 or int64 top-k). The output
+// buffers are made (or checked) first; the values of every row are checked, and each row's
+// distinct count when an overflow is possible, before any row changes. Both passes run in
+// one OpenMP region, a barrier between them; the error of a failing row is raised after it.
+template <typename Token>
+void update_rows(const Rows& a, const Token* tk, const MakeOutputs& make_outputs) {
+  int64_t* tokens = a.tokens;
+  int64_t* windows = a.windows;
+  int64_t* deeps = a.deeps;
+  int64_t* metas = a.metas;
+  int64_t* req = a.req;
+  const int64_t* rid = a.rid;
+  const int64_t* stable_ptr = a.stable_ptr;
+  const int64_t* state_ptr = a.state_ptr;
+  const int64_t* limits = a.limits;
+  const int64_t rows = a.rows;
+  const int64_t capacity = a.capacity;
+  const int64_t window_size = a.window_size;
+  const int64_t deep_size = a.deep_size;
+  const int64_t width = a.width;
+  const int64_t max_seq_len = a.max_seq_len;
 
   const Outputs outputs = make_outputs(rows, width);
-  int64_t* out_slots = outputs.slots;
-  int64_t* out_counts = outputs.miss_counts;
-  int64_t* out_tokens = outputs.miss_tokens;
-  int64_t* out_miss_slots = outputs.miss_slots;
+  int32_t* out_slots = outputs.slots;
+  int32_t* out_counts = outputs.miss_counts;
+  int32_t* out_tokens = outputs.miss_tokens;
+  int32_t* out_miss_slots = outputs.miss_slots;
 
-  // Phase 2: the update, one row per task. 64-bit offsets: R * C may exceed 2**31.
+  // Pass 1, nothing changes: a bad value flags its row; so does a row selecting more distinct
+  // tokens than it has slots (counted only when the width exceeds the capacity).
+  std::vector<uint8_t> bad_value(static_cast<size_t>(rows), 0);
+  std::vector<int64_t> overflow(static_cast<size_t>(rows), -1);
+  const auto check_row = [&](int64_t r) {
+    const int64_t limit = limits ? limits[r] : kNoLimit;
+    const int64_t state = state_ptr[r];
+    const Token* row_topk = tk + r * width;
+    const bool bad = stable_ptr[r] < 0 || limit < 0 ||
+                     (state != kNotOffloaded && state != kFirstOffload && state != kSteady) ||
+                     any_in_range(row_topk, width, max_seq_len, limit);
+    bad_value[r] = static_cast<uint8_t>(bad);
+    if (!bad && width > capacity && state != kNotOffloaded) {
+      Scratch& scratch = thread_scratch();
+      scratch.prepare(width, capacity, window_size, deep_size);
+      const int64_t count = scratch.count_distinct(row_topk, width, limit);
+      if (count > capacity) overflow[r] = count;
+    }
+  };
+  const auto any_failed = [&]() {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (bad_value[r] != 0 || overflow[r] >= 0) return true;
+    }
+    return false;
+  };
+
+  // Pass 2: the update, one row per task. 64-bit offsets: R * C may exceed 2**31.
   std::vector<int8_t> status(static_cast<size_t>(rows), kOk);
-  for_each_row(rows, threads, [&](int64_t r) {
+  const auto update_row = [&](int64_t r) {
     const int64_t out_offset = r * width;
-    const int64_t* row_topk = tk + out_offset;
+    const Token* row_topk = tk + out_offset;
     const int64_t limit = limits ? limits[r] : kNoLimit;
     const RowOut out{out_slots + out_offset, out_counts + r, out_tokens + out_offset,
                      out_miss_slots + out_offset};
@@ -232,12 +219,98 @@ void run_update(at::Tensor& slot_tokens, at::Tensor& lru_window, at::Tensor& lru
     status[r] = steady_row(scratch, row, row_topk, width, limit, stable_ptr[r], out);
     // A corrupt row keeps its state; its outputs are not returned (the call raises).
     if (status[r] == kOk) req[r] = rid[r];
-  });
+  };
+
+  // Rows are handed out one at a time (dynamic): on a shared machine a thread may be
+  // descheduled for milliseconds, and the others take over its rows. One row or one thread:
+  // no OpenMP region to start.
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
+  if (threads <= 1) {
+    for (int64_t r = 0; r < rows; ++r) check_row(r);
+    if (!any_failed()) {
+      for (int64_t r = 0; r < rows; ++r) update_row(r);
+    }
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t r = 0; r < rows; ++r) check_row(r);
+      // (the loop's barrier: every row is checked) every thread sees the same flags
+      if (!any_failed()) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; ++r) update_row(r);
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {  // the first bad value, in the words of its check
+    if (bad_value[r] == 0) continue;
+    const std::string problem =
+        check_row_values(r, state_ptr[r], stable_ptr[r], limits ? limits[r] : kNoLimit,
+                         tk + r * width, width, max_seq_len);
+    TORCH_CHECK_VALUE(false, "residency_update: ", problem);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    // kvo_core.residency.inputs.overflow_message, word for word.
+    TORCH_CHECK(overflow[r] < 0, "residency overflow: row ", r, " selects ", overflow[r],
+                " distinct tokens but the hot buffer has only ", capacity,
+                " slots; capacity must be >= the distinct top-k tokens of a row");
+  }
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK_VALUE(status[r] == kOk, "residency_update: the state of row ", r,
                       " is corrupt: its LRU order (lru_window, lru_deep, row_meta) does not list "
                       "every slot of [0, ", capacity, ") once; the row was left as it was, "
                       "reset it");
+  }
+}
+
+// Checks every argument, then the values and the update (update_rows).
+void run_update(at::Tensor& slot_tokens, at::Tensor& lru_window, at::Tensor& lru_deep,
+                at::Tensor& row_meta, at::Tensor& row_requests, const at::Tensor& topk_in,
+                const at::Tensor& request_ids_in, const at::Tensor& stable_lens_in,
+                const at::Tensor& states_in, const std::optional<at::Tensor>& seq_lens_in,
+                int64_t max_seq_len, const MakeOutputs& make_outputs) {
+  const int64_t capacity = check_capacity(slot_tokens, "residency_update");
+  const int64_t rows = slot_tokens.size(0);
+  check_state(slot_tokens, "slot_tokens", {rows, capacity});
+  const int64_t window_size = check_log_width(lru_window, "lru_window", rows, capacity);
+  const int64_t deep_size = check_log_width(lru_deep, "lru_deep", rows, capacity);
+  check_state(row_meta, "row_meta", {rows, kMetaFields});
+  check_state(row_requests, "row_requests", {rows});
+  // int32 (what vLLM's indexers give) or int64.
+  const at::ScalarType topk_dtype = topk_in.scalar_type();
+  TORCH_CHECK_VALUE(topk_dtype == at::kInt || topk_dtype == at::kLong,
+                    "residency_update: topk must be int32 or int64, got ", topk_dtype);
+  const at::Tensor topk = input_rows(topk_in, "topk", 2, rows, topk_dtype);
+  const at::Tensor request_ids = input_rows(request_ids_in, "request_ids", 1, rows);
+  const at::Tensor stable_lens = input_rows(stable_lens_in, "stable_lens", 1, rows);
+  const at::Tensor states = input_rows(states_in, "states", 1, rows);
+  const int64_t width = topk.size(1);
+  TORCH_CHECK_VALUE(width >= 1, "residency_update: topk must have at least one column, got "
+                    "shape ", topk.sizes());
+  TORCH_CHECK_VALUE(width <= (int64_t{1} << 30), "residency_update: topk width ", width,
+                    " is too large (at most 2**30)");
+  // Tokens are int32 outputs (and share one int64 with their slot in the order, lru_log.h).
+  static_assert(kMaxSeqLen <= kTokenLimit, "tokens must fit a packed entry");
+  TORCH_CHECK_VALUE(max_seq_len >= 1 && max_seq_len <= kMaxSeqLen, "residency_update: "
+                    "max_seq_len must be in [1, 2**31], got ", max_seq_len);
+  at::Tensor seq_lens;
+  const int64_t* limits = nullptr;
+  if (seq_lens_in.has_value()) {
+    seq_lens = input_rows(*seq_lens_in, "seq_lens", 1, rows);
+    limits = seq_lens.data_ptr<int64_t>();
+  }
+
+  const Rows args{slot_tokens.data_ptr<int64_t>(), lru_window.data_ptr<int64_t>(),
+                  lru_deep.data_ptr<int64_t>(),    row_meta.data_ptr<int64_t>(),
+                  row_requests.data_ptr<int64_t>(), request_ids.data_ptr<int64_t>(),
+                  stable_lens.data_ptr<int64_t>(), states.data_ptr<int64_t>(),
+                  limits,   rows,   capacity,   window_size,   deep_size,   width,   max_seq_len};
+  if (topk_dtype == at::kInt) {
+    update_rows(args, topk.data_ptr<int32_t>(), make_outputs);
+  } else {
+    update_rows(args, topk.data_ptr<int64_t>(), make_outputs);
   }
 }
 
@@ -249,13 +322,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> residency_update_cpu(
   at::Tensor slots, miss_counts, miss_tokens, miss_slots;
   run_update(slot_tokens, lru_window, lru_deep, row_meta, row_requests, topk, request_ids,
              stable_lens, states, seq_lens, max_seq_len, [&](int64_t rows, int64_t width) {
-               const auto options = topk.options();
+               const auto options = topk.options().dtype(at::kInt);
                slots = at::empty({rows, width}, options);
                miss_counts = at::empty({rows}, options);
                miss_tokens = at::empty({rows, width}, options);
                miss_slots = at::empty({rows, width}, options);
-               return Outputs{slots.data_ptr<int64_t>(), miss_counts.data_ptr<int64_t>(),
-                              miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int64_t>()};
+               return Outputs{slots.data_ptr<int32_t>(), miss_counts.data_ptr<int32_t>(),
+                              miss_tokens.data_ptr<int32_t>(), miss_slots.data_ptr<int32_t>()};
              });
   return {slots, miss_counts, miss_tokens, miss_slots};
 }
@@ -280,11 +353,11 @@ struct Named {
   const at::Tensor* tensor;
 };
 
-// An output buffer of the caller: int64, contiguous, the call's shape, and sharing no memory
+// An output buffer of the caller: int32, contiguous, the call's shape, and sharing no memory
 // with anything the call reads or writes (the op reads topk while it writes slots).
 void check_output(const at::Tensor& out, const char* name, at::IntArrayRef shape,
                   const std::vector<Named>& others) {
-  check_tensor(out, name, at::kLong, static_cast<int64_t>(shape.size()));
+  check_tensor(out, name, at::kInt, static_cast<int64_t>(shape.size()));
   TORCH_CHECK_VALUE(out.sizes() == shape, "residency_update: ", name, " must have shape ",
                     shape, ", got ", out.sizes());
   TORCH_CHECK_VALUE(out.is_contiguous(), "residency_update: ", name, " must be contiguous");
@@ -329,8 +402,8 @@ void residency_update_out_cpu(at::Tensor slot_tokens, at::Tensor lru_window, at:
                  check_output(*outputs[i].tensor, outputs[i].name, shape, others);
                  others.push_back(outputs[i]);
                }
-               return Outputs{slots.data_ptr<int64_t>(), miss_counts.data_ptr<int64_t>(),
-                              miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int64_t>()};
+               return Outputs{slots.data_ptr<int32_t>(), miss_counts.data_ptr<int32_t>(),
+                              miss_tokens.data_ptr<int32_t>(), miss_slots.data_ptr<int32_t>()};
              });
 }
 

@@ -73,11 +73,12 @@ struct RowState {
   int64_t& max_resident() { return lru.meta[kMetaMaxResident]; }
 };
 
+// A row's outputs: int32 like upstream's (slots < 2**20, tokens < 2**31: checked by the op).
 struct RowOut {
-  int64_t* slots;
-  int64_t* miss_count;
-  int64_t* miss_tokens;
-  int64_t* miss_slots;
+  int32_t* slots;
+  int32_t* miss_count;
+  int32_t* miss_tokens;
+  int32_t* miss_slots;
 };
 
 // A deep log entry met by the scan, with its log position.
@@ -207,7 +208,8 @@ struct Scratch {
   }
 
   // How many distinct valid tokens a top-k row holds (entries < 0 or >= limit are padding).
-  int64_t count_distinct(const int64_t* topk, int64_t width, int64_t limit) {
+  template <typename Token>
+  int64_t count_distinct(const Token* topk, int64_t width, int64_t limit) {
     for (int64_t k = 0; k < width; ++k) {
       if (topk[k] >= 0 && topk[k] < limit) add(topk[k]);
     }
@@ -229,15 +231,15 @@ inline Scratch& thread_scratch() {
 // all, much later: past the first cache line it goes out with streaming stores, which skip
 // reading the fresh output lines into the cache first (a third of the step's memory traffic
 // at R=32 otherwise).
-inline void fill_padding(int64_t* begin, int64_t* end) {
+inline void fill_padding(int32_t* begin, int32_t* end) {
 #if defined(__SSE2__)
   while (begin < end && (reinterpret_cast<uintptr_t>(begin) & 63) != 0) *begin++ = kEmpty;
-  const __m128i minus_one = _mm_set1_epi64x(-1);
-  for (; begin + 8 <= end; begin += 8) {
+  const __m128i minus_one = _mm_set1_epi32(-1);
+  for (; begin + 16 <= end; begin += 16) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(begin), minus_one);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 2), minus_one);
     _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 4), minus_one);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 6), minus_one);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 8), minus_one);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(begin + 12), minus_one);
   }
   _mm_sfence();
 #endif
@@ -245,7 +247,7 @@ inline void fill_padding(int64_t* begin, int64_t* end) {
 }
 
 inline void pad_miss_lists(int64_t width, int64_t misses, const RowOut& out) {
-  *out.miss_count = misses;
+  *out.miss_count = static_cast<int32_t>(misses);
   fill_padding(out.miss_tokens + misses, out.miss_tokens + width);
   fill_padding(out.miss_slots + misses, out.miss_slots + width);
 }
@@ -258,13 +260,14 @@ inline void reset_row_state(RowState& row) {
 }
 
 // Identity mapping: the row is not offloaded, every selected position is its own slot.
-inline void identity_row(const int64_t* topk, int64_t width, int64_t limit,
-                         const RowOut& out) {
+template <typename Token>
+inline void identity_row(const Token* topk, int64_t width, int64_t limit, const RowOut& out) {
   const auto limit_u = static_cast<uint64_t>(limit);  // negative tokens: huge, padding
   for (int64_t k = 0; k < width; ++k) {
     const int64_t token = topk[k];
-    out.slots[k] = token | static_cast<int64_t>(
-                               static_cast<uint64_t>(static_cast<uint64_t>(token) < limit_u) - 1);
+    out.slots[k] = static_cast<int32_t>(
+        token | static_cast<int64_t>(
+                    static_cast<uint64_t>(static_cast<uint64_t>(token) < limit_u) - 1));
   }
   pad_miss_lists(width, 0, out);
 }
@@ -272,7 +275,8 @@ inline void identity_row(const int64_t* topk, int64_t width, int64_t limit,
 // First offload: reset, then the distinct tokens in ascending order fill slots 0..n-1 (the
 // same as a steady update after a reset, with the misses taken in ascending token order).
 // The caller checked that n <= C. O(C + K log K): first offloads are rare.
-inline void first_offload_row(Scratch& s, RowState& row, const int64_t* topk, int64_t width,
+template <typename Token>
+inline void first_offload_row(Scratch& s, RowState& row, const Token* topk, int64_t width,
                               int64_t limit, const RowOut& out) {
   int64_t* cells = s.slow_cells.data();  // per position: its token's cell, -1 for padding
   for (int64_t k = 0; k < width; ++k) {
@@ -289,12 +293,12 @@ inline void first_offload_row(Scratch& s, RowState& row, const int64_t* topk, in
     row.tokens[slot] = token;
     row.lru.window[slot] = pack(token, slot);
     s.cell_slot[s.find(token)] = slot;
-    out.miss_tokens[slot] = token;
-    out.miss_slots[slot] = slot;
+    out.miss_tokens[slot] = static_cast<int32_t>(token);
+    out.miss_slots[slot] = static_cast<int32_t>(slot);
   }
   row.max_resident() = count > 0 ? s.sorted_tokens[count - 1] : -1;
   for (int64_t k = 0; k < width; ++k) {
-    out.slots[k] = cells[k] < 0 ? kEmpty : s.cell_slot[cells[k]];
+    out.slots[k] = static_cast<int32_t>(cells[k] < 0 ? kEmpty : s.cell_slot[cells[k]]);
   }
   pad_miss_lists(width, count, out);
   s.clear_tokens();
@@ -329,7 +333,8 @@ inline void drop_speculative(RowState& row, int64_t stable_len, int64_t* unused,
 // LRU order is [evictable left unused..., just filled (miss order)..., hits (old order)...].
 // Reads and checks everything it will follow first; on a corrupt state it returns the
 // problem with the row untouched. The caller checked that the distinct tokens fit in C.
-inline RowStatus steady_row(Scratch& s, RowState& row, const int64_t* __restrict topk,
+template <typename Token>
+inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict topk,
                             int64_t width, int64_t limit, int64_t stable_len,
                             const RowOut& out) {
   const int64_t capacity = row.capacity;
@@ -344,7 +349,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const int64_t* __restrict
   int64_t* __restrict window = lru.window;
   int32_t* __restrict window_index = s.window_index.data();
   uint8_t* __restrict window_hit = s.window_hit.data();
-  int64_t* __restrict out_slots = out.slots;
+  int32_t* __restrict out_slots = out.slots;
   const int window_index_shift = s.window_index_shift;
 
   // 1. Index the window (reading it front to back) and check that its entries name slots.
@@ -523,8 +528,8 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const int64_t* __restrict
     row.tokens[slot] = token;
     largest = std::max(largest, token);
     cell_slot[cell] = slot;
-    out.miss_tokens[i] = token;
-    out.miss_slots[i] = slot;
+    out.miss_tokens[i] = static_cast<int32_t>(token);
+    out.miss_slots[i] = static_cast<int32_t>(slot);
   }
   row.max_resident() = largest;
 
@@ -560,7 +565,9 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const int64_t* __restrict
   lru.window_len() = length;
 
   // 9. Outputs: hits the window index found have their slot since step 2; the rest now.
-  for (int64_t j = 0; j < num_slow; ++j) out_slots[slow[j]] = cell_slot[slow_cells[j]];
+  for (int64_t j = 0; j < num_slow; ++j) {
+    out_slots[slow[j]] = static_cast<int32_t>(cell_slot[slow_cells[j]]);
+  }
   pad_miss_lists(width, misses, out);
   s.clear_tokens();
   return kOk;

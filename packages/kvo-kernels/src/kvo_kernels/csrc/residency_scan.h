@@ -7,8 +7,10 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 
 #include "lru_log.h"
 
@@ -54,8 +56,9 @@ struct WindowLookup {
   int64_t limit;
 };
 
-inline void look_up_window(const WindowLookup& w, const int64_t* __restrict topk,
-                           int64_t width, int64_t* __restrict slots,
+template <typename Token>
+inline void look_up_window(const WindowLookup& w, const Token* __restrict topk,
+                           int64_t width, int32_t* __restrict slots,
                            uint8_t* __restrict window_hit, uint8_t* __restrict is_slow) {
   const auto hit_limit = static_cast<uint64_t>(w.hit_limit);
   const auto limit = static_cast<uint64_t>(w.limit);
@@ -66,7 +69,7 @@ inline void look_up_window(const WindowLookup& w, const int64_t* __restrict topk
     const int64_t entry = w.window[at];
     const uint64_t hit = static_cast<uint64_t>(static_cast<uint64_t>(token) < hit_limit) &
                          static_cast<uint64_t>(packed_token(entry) == token);
-    slots[k] = packed_slot(entry) | static_cast<int64_t>(hit - 1);
+    slots[k] = static_cast<int32_t>(packed_slot(entry) | static_cast<int64_t>(hit - 1));
     window_hit[at] |= static_cast<uint8_t>(hit);
     is_slow[k] = static_cast<uint8_t>(static_cast<uint64_t>(static_cast<uint64_t>(token) < limit) &
                                       (hit ^ 1));
@@ -136,7 +139,8 @@ inline int64_t filter_entries(const int64_t* entries, int64_t begin, int64_t end
 
 // Whether any of values[0, count) lies in [low, high): the check that no valid top-k entry
 // reaches max_seq_len, run over every row before anything changes.
-inline bool any_in_range_portable(const int64_t* values, int64_t begin, int64_t count,
+template <typename Token>
+inline bool any_in_range_portable(const Token* values, int64_t begin, int64_t count,
                                   int64_t low, int64_t high) {
   uint64_t any = 0;
   for (int64_t k = begin; k < count; ++k) {
@@ -168,6 +172,19 @@ inline bool any_in_range(const int64_t* values, int64_t count, int64_t low, int6
   if (use_avx2()) return any_in_range_avx2(values, count, low, high);
 #endif
   return any_in_range_portable(values, 0, count, low, high);
+}
+
+// int32 top-k: compared as int32 (the bounds clamped), the loop vectorises with SSE2 alone.
+inline bool any_in_range(const int32_t* values, int64_t count, int64_t low, int64_t high) {
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (high <= low || low > kInt32Max) return false;
+  const auto low32 = static_cast<int32_t>(std::max<int64_t>(low, -kInt32Max));
+  const auto last32 = static_cast<int32_t>(std::min<int64_t>(high - 1, kInt32Max));
+  uint32_t any = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    any |= static_cast<uint32_t>(values[k] >= low32) & static_cast<uint32_t>(values[k] <= last32);
+  }
+  return any != 0;
 }
 
 }  // namespace kvo_residency

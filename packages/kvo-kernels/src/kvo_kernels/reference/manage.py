@@ -102,15 +102,17 @@ def manage_request(args: ManageArgs, req: RequestLayout, layout: ManageLayout, q
         raise KernelArgumentError(
             f"cache_slots_pool entry {req.pool_entry} (request {req.index}): {exc}") from exc
     count = int(step.result.miss_counts[0])
-    miss_tokens = step.result.miss_tokens[0, :count]
-    src, dst, row_misses = misses_first(topk, step.result.slots[0].reshape(topk.shape),
+    # The residency result is int32; this op's outputs are int64.
+    miss_tokens = step.result.miss_tokens[0, :count].long()
+    src, dst, row_misses = misses_first(topk, step.result.slots[0].reshape(topk.shape).long(),
                                         miss_tokens)
     new_state = None
     if req.state != RequestState.NOT_OFFLOADED:
         new_state = (step.slot_tokens, step.lru_order)
     return RequestOutputs(src_ids=src, dst_slots=dst, row_miss_counts=row_misses,
                           miss_src_ids=miss_tokens,
-                          miss_dst_slots=step.result.miss_slots[0, :count], new_state=new_state)
+                          miss_dst_slots=step.result.miss_slots[0, :count].long(),
+                          new_state=new_state)
 
 
 def _store(args: ManageArgs, req: RequestLayout, out: RequestOutputs) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
-from kvo_core.residency import RequestState, ResidencyResult
+from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_kernels.dispatch import triton_available
 from kvo_kernels.primitive_set import REFERENCE, Primitives, triton_primitives
@@ -150,6 +150,7 @@ class SparseDecodeOffload:
                                            device=self.device)
             self._tables = [make_residency_table(config.residency_backend, max_rows, capacity)
                             for _ in range(layout.num_layers)]
+            self._results: dict[tuple[int, int], ResidencyResult] = {}
         except BaseException:
             self.store.close()  # do not leave a named pool behind a failed start
             raise
@@ -402,7 +403,19 @@ class SparseDecodeOffload:
         stable[rows] = torch.tensor([p + 1 for p in positions])
         states[rows] = torch.tensor([int(RequestState.FIRST_OFFLOAD if r.steps == 0
                                          else RequestState.STEADY) for r in records])
-        return self._tables[layer].update(all_topk, request_ids, stable, states)
+        return self._tables[layer].update(all_topk, request_ids, stable, states,
+                                          out=self._result_buffers(layer, width))
+
+    def _result_buffers(self, layer: int, width: int) -> ResidencyResult:
+        """The layer's residency outputs, allocated once per top-k width and reused every step
+        (the step reads them before the layer's next update)."""
+        buffers = self._results.get((layer, width))
+        if buffers is None:
+            rows = self.max_rows
+            buffers = self._results[(layer, width)] = ResidencyResult(
+                *(torch.empty(shape, dtype=RESULT_DTYPE)
+                  for shape in ((rows, width), (rows,), (rows, width), (rows, width))))
+        return buffers
 
     def _record(self, stats: LayerStepStats) -> None:
         self._pending.append(stats)

@@ -15,7 +15,8 @@ from kvo_core.residency import ResidencyResult, ResidencyTable
 
 class ResidencyTableLike(Protocol):
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
-               states: torch.Tensor | None = None) -> ResidencyResult: ...
+               states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
+               out: ResidencyResult | None = None) -> ResidencyResult: ...
 
     def reset_row(self, row: int) -> None: ...
 
