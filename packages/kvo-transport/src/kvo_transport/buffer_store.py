@@ -5,15 +5,74 @@ registry (every batch range must lie inside a registered buffer), register / unr
 the client, the closed check and close itself are the same for both and live here; a backend
 starts its client, then calls ``_start``, and says how its client unregisters a buffer and
 names a return code.
+
+Every store call goes through a circuit breaker (circuit_breaker.py, decorator ``guarded``): once
+the store is known to be down, calls fail at once with StoreUnavailableError; a backend with a
+health probe (Mooncake: its master's TCP port) notices an outage and a recovery in the
+background. Closing is bounded: the regions are dropped first (a local call), then a client
+whose service is down (breaker not closed, or the probe fails now) is abandoned instead of
+closed: Mooncake's close retries a dead master for 7-11 s while holding the GIL (measured), so
+no thread could bound it. An abandoned client no longer touches kvo's memory (its regions are
+unregistered) and is kept alive until the process exits.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvo_transport.errors import StoreArgumentError, StoreError
+from kvo_transport.circuit_breaker import BreakerState, CircuitBreaker, HealthWatcher, Probe
+from kvo_transport.errors import StoreArgumentError, StoreError, StoreUnavailableError
 from kvo_transport.region_owner import RegionOwner
 from kvo_transport.regions import MemoryRegion, RegionRegistry
+
+log = logging.getLogger("kvo.transport.store")
+
+_abandoned: list[Any] = []
+"""Clients closed while their service was down (see the module docstring)."""
+
+
+def _abandon(client: Any) -> None:
+    """Keep ``client`` alive for good: its destructor would run the same slow teardown at exit."""
+    _abandoned.append(client)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S", bound="BufferStore")
+
+
+def guarded(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """Run a store call through the store's circuit breaker."""
+
+    def call(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        breaker = self._breaker
+        breaker.before_call()
+        started = time.monotonic()
+        try:
+            result = method(self, *args, **kwargs)
+        except StoreUnavailableError as error:
+            breaker.on_failure(str(error))
+            raise
+        except StoreArgumentError:
+            breaker.on_neutral()
+            raise
+        except Exception as error:
+            if breaker.timed(started):
+                breaker.on_failure(f"a call failed after {time.monotonic() - started:.1f} s: "
+                                   f"{error}")
+            else:
+                breaker.on_neutral()
+            raise
+        breaker.on_success()
+        return result
+
+    functools.update_wrapper(call, method)
+    return call
 
 
 class BufferStore(RegionOwner):
@@ -23,11 +82,24 @@ class BufferStore(RegionOwner):
     _label = ""
     """The library's name in messages ("Mooncake", "Memcache")."""
 
-    def _start(self, client: Any, description: str) -> None:
-        """``description`` names the client in errors, e.g. the master it talks to."""
+    def _start(self, client: Any, description: str, *, probe: Probe | None = None,
+               probe_interval_s: float = 0.25) -> None:
+        """``description`` names the client in errors, e.g. the master it talks to; ``probe``
+        (optional) checks the service's health every ``probe_interval_s`` in the background."""
         self._store: Any = client
         self._description = description
+        self._probe = probe
+        self._breaker = CircuitBreaker(name=f"{self._label} store {description}",
+                                       open_error=StoreUnavailableError,
+                                       has_probe=probe is not None)
+        self._watcher = (HealthWatcher(self._breaker, probe, probe_interval_s)
+                         if probe is not None and probe_interval_s > 0 else None)
         self._own(RegionRegistry(StoreArgumentError))
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The store's circuit breaker (its state and counters, for logs and tests)."""
+        return self._breaker
 
     # -- what a backend may refine -------------------------------------------------------------
 
@@ -67,8 +139,23 @@ class BufferStore(RegionOwner):
         self._unregister_buffer(self._store, region)
 
     def _release_handle(self) -> None:
-        self._store.close()
-        self._store = None
+        if self._watcher is not None:
+            self._watcher.stop()
+        client, self._store = self._store, None
+        problem = self._service_problem()
+        if problem is None:
+            client.close()
+            return
+        _abandon(client)
+        log.warning("%s store client %s: not closed because the store is down (%s); its "
+                    "regions are unregistered and the client is left to the process exit",
+                    self._label, self._description, problem)
+
+    def _service_problem(self) -> str | None:
+        """Why the service is down now, or None when it seems up."""
+        if self._breaker.state is not BreakerState.CLOSED:
+            return self._breaker.last_error or f"circuit {self._breaker.state.value}"
+        return self._probe() if self._probe is not None else None
 
     def _describe(self) -> str:
         return str(self._description)

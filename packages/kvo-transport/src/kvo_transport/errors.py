@@ -17,6 +17,11 @@ class StoreError(KvoError):
     """A KV-store operation failed; the message names the keys that failed."""
 
 
+class StoreUnavailableError(StoreError):
+    """The store is unreachable (its master is down): the call failed, or was refused at once
+    by the store's circuit breaker without reaching it."""
+
+
 class StoreArgumentError(StoreError, ValueError):
     """A KV-store request was refused before reaching the store (bad keys, ranges, sizes)."""
 

@@ -28,7 +28,7 @@ import attrs
 
 from kvo_core.errors import ConfigError
 from kvo_transport.ascend_log import explain, log_tap
-from kvo_transport.buffer_store import BufferStore
+from kvo_transport.buffer_store import BufferStore, guarded
 from kvo_transport.errors import StoreError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
 from kvo_transport.mooncake_master import LOOPBACK, accepts, free_loopback_port
@@ -326,6 +326,7 @@ class MemcacheKVStore(BufferStore):
     def _unregister_buffer(self, client: Any, region: MemoryRegion) -> int:
         return int(client.unregister_buffer(region.ptr, region.length))
 
+    @guarded
     def put_from(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
     ) -> None:
@@ -341,6 +342,7 @@ class MemcacheKVStore(BufferStore):
         if failed:
             raise StoreError(f"Memcache put failed for keys (code per key): {failed}")
 
+    @guarded
     def get_into(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
     ) -> list[bool]:
@@ -358,6 +360,7 @@ class MemcacheKVStore(BufferStore):
                 raise StoreError(f"Memcache get failed for present keys (code per key): {failed}")
         return ok
 
+    @guarded
     def exists(self, keys: Sequence[str]) -> list[bool]:
         store = self._client()
         checked = check_keys(keys)
@@ -369,6 +372,7 @@ class MemcacheKVStore(BufferStore):
             raise StoreError(f"Memcache exists() failed (code per key): {failed}")
         return [c == 1 for c in codes]
 
+    @guarded
     def remove(self, keys: Sequence[str]) -> None:
         store = self._client()
         checked = check_keys(keys)

@@ -3,10 +3,16 @@
 Mooncake's plain put keeps an existing key's old value, so put_from uses the upsert call.
 Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
 because forcing could pull a value from under a concurrent reader.
+
+A master that is down makes calls fail with RPC_FAIL (or, unreachable, block for seconds): such
+failures raise StoreUnavailableError and open the store's circuit breaker (buffer_store.py),
+and a TCP probe of the master's RPC port every ``health_probe_interval_s`` opens it before a
+call has to find out, and half-opens it once the master accepts connections again.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,8 +20,8 @@ from typing import Any
 import attrs
 
 from kvo_core.errors import ConfigError
-from kvo_transport.buffer_store import BufferStore
-from kvo_transport.errors import StoreError, backend_unavailable
+from kvo_transport.buffer_store import BufferStore, guarded
+from kvo_transport.errors import StoreError, StoreUnavailableError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
 
 MIN_SEGMENT_BYTES = 16 << 20
@@ -36,6 +42,9 @@ MOONCAKE_STORE_ERRORS = {
 OBJECT_NOT_FOUND = -704
 REPLICA_IS_NOT_READY = -703
 OBJECT_HAS_LEASE = -706
+RPC_FAIL = -900
+UNAVAILABLE = frozenset({RPC_FAIL})
+"""Codes that mean the master could not be reached (not a problem of one key)."""
 
 
 def error_name(code: int) -> str:
@@ -62,6 +71,8 @@ class MooncakeStoreOptions:
     protocol: str = "tcp"
     rdma_devices: str = ""
     remove_timeout_s: float = 5.0
+    health_probe_interval_s: float = 0.25
+    """How often the master's RPC port is probed (TCP connect); 0 turns the probe off."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MooncakeStoreOptions:
@@ -94,6 +105,10 @@ class MooncakeStoreOptions:
             raise ConfigError(
                 f"mooncake store option remove_timeout_s={made.remove_timeout_s!r} must be > 0"
             )
+        interval = made.health_probe_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+            raise ConfigError(f"mooncake store option health_probe_interval_s={interval!r} must "
+                              f"be >= 0 seconds (0: no probe)")
         return made
 
 
@@ -122,11 +137,14 @@ class MooncakeKVStore(BufferStore):
                 f"Mooncake Store setup against master {o.master_address} failed with return code "
                 f"{rc} (is mooncake_master running there?)"
             )
-        self._start(client, f"for master {o.master_address}")
+        self._start(client, f"for master {o.master_address}",
+                    probe=lambda: probe_master(o.master_address, PROBE_TIMEOUT_S),
+                    probe_interval_s=o.health_probe_interval_s)
 
     def _code(self, rc: int) -> str:
         return error_name(rc)
 
+    @guarded
     def put_from(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
     ) -> None:
@@ -137,10 +155,11 @@ class MooncakeKVStore(BufferStore):
         codes = store.batch_upsert_from(batch.keys, batch.addrs, batch.lengths)
         failed = {k: error_name(c) for k, c in zip(batch.keys, codes, strict=True) if c != 0}
         if failed:
-            raise StoreError(
+            raise _error(codes)(
                 f"Mooncake put of {len(failed)}/{len(batch.keys)} keys failed: {failed}"
             )
 
+    @guarded
     def get_into(
         self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
     ) -> list[bool]:
@@ -163,22 +182,25 @@ class MooncakeKVStore(BufferStore):
                 failed[key] = error_name(code)
                 found.append(False)
         if failed:
-            raise StoreError(
+            raise _error(codes)(
                 f"Mooncake get of {len(failed)}/{len(batch.keys)} keys failed: {failed}"
             )
         return found
 
+    @guarded
     def exists(self, keys: Sequence[str]) -> list[bool]:
         store = self._client()
         checked = check_keys(keys)
         if not checked:
             return []
         codes = store.batch_is_exist(checked)
-        failed = [k for k, c in zip(checked, codes, strict=True) if c not in (0, 1)]
+        failed = {k: error_name(c) for k, c in zip(checked, codes, strict=True)
+                  if c not in (0, 1)}
         if failed:
-            raise StoreError(f"Mooncake exists() could not query keys {failed}")
+            raise _error(codes)(f"Mooncake exists() could not query keys {failed}")
         return [c == 1 for c in codes]
 
+    @guarded
     def remove(self, keys: Sequence[str]) -> None:
         store = self._client()
         pending = check_keys(keys)
@@ -192,7 +214,7 @@ class MooncakeKVStore(BufferStore):
                 if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)
             }
             if failed:
-                raise StoreError(f"Mooncake remove failed for keys {failed}")
+                raise _error(codes)(f"Mooncake remove failed for keys {failed}")
             if leased and time.monotonic() > deadline:
                 raise StoreError(
                     f"Mooncake remove: keys {leased} still hold a read lease after "
@@ -201,3 +223,21 @@ class MooncakeKVStore(BufferStore):
             pending = leased
             if pending:
                 time.sleep(0.02)
+
+
+PROBE_TIMEOUT_S = 0.5
+
+
+def _error(codes: Sequence[int]) -> type[StoreError]:
+    """StoreUnavailableError when a code says the master was not reached."""
+    return StoreUnavailableError if UNAVAILABLE.intersection(codes) else StoreError
+
+
+def probe_master(address: str, timeout_s: float) -> str | None:
+    """None when the master at ``host:port`` accepts a TCP connection, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"master {address} does not accept connections: {exc}"
