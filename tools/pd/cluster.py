@@ -6,7 +6,8 @@ its output in a log file; stopping sends SIGTERM to the whole group, then SIGKIL
 period, so nothing survives the caller — also after Ctrl-C or a failed check. A server that
 dies while starting raises with the tail of its log.
 
-Everything binds 127.0.0.1. Mooncake binds every interface, so callers run inside a
+Everything binds 127.0.0.1 unless a caller passes ``host`` and a ``netns`` to run in (the
+beyond-loopback test, tools/pd/netns.py). Mooncake binds every interface, so callers run inside a
 loopback-only network namespace (``in_loopback_namespace`` / ``reexec_in_namespace``).
 """
 
@@ -168,7 +169,10 @@ class Cluster:
         self.processes.clear()
 
     def start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None,
-              url: str | None = None) -> Managed:
+              url: str | None = None, netns: str | None = None) -> Managed:
+        """``netns``: the named network namespace to run in (``ip netns exec``)."""
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
         log_path = self.workdir / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
         with open(log_path, "wb") as log:
@@ -182,9 +186,10 @@ class Cluster:
     def start_vllm(self, name: str, model: Path, port: int,
                    kv_transfer_config: Mapping[str, Any] | None = None,
                    extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                   max_model_len: int = 4096, block_size: int = BLOCK_SIZE) -> Managed:
+                   max_model_len: int = 4096, block_size: int = BLOCK_SIZE,
+                   host: str = "127.0.0.1", netns: str | None = None) -> Managed:
         argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", SERVED_MODEL, "--host", host, "--port", str(port),
                 "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
                 "--block-size", str(block_size), "--seed", "0",
                 "--distributed-executor-backend", "uni",
@@ -192,14 +197,16 @@ class Cluster:
                 "--disable-uvicorn-access-log", *extra_args]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        return self.start(name, argv, {**ENGINE_ENV, **(env or {})},
-                          url=f"http://127.0.0.1:{port}")
+        return self.start(name, argv, {**ENGINE_ENV, "VLLM_HOST_IP": host, **(env or {})},
+                          url=f"http://{host}:{port}", netns=netns)
 
     def start_proxy(self, port: int, prefill_url: str, decode_url: str,
-                    extra_args: Sequence[str] = (), name: str = "proxy") -> Managed:
+                    extra_args: Sequence[str] = (), name: str = "proxy",
+                    host: str = "127.0.0.1", netns: str | None = None,
+                    env: Mapping[str, str] | None = None) -> Managed:
         argv = [PYTHON, "-m", "kvo_vllm.proxy", "--prefill", prefill_url, "--decode",
-                decode_url, "--port", str(port), *extra_args]
-        return self.start(name, argv, url=f"http://127.0.0.1:{port}")
+                decode_url, "--host", host, "--port", str(port), *extra_args]
+        return self.start(name, argv, env, url=f"http://{host}:{port}", netns=netns)
 
 
 def wait_healthy(servers: Sequence[Managed], timeout_s: float,
