@@ -6,6 +6,8 @@ every layer from a peer process, one synchronous batch per layer, three ways, in
 - raw:    mooncake.engine.TransferEngine.batch_transfer_sync_read with prepared lists,
 - kvo:    kvo_transport's MooncakeTransferEngine.read with the same descriptors (adds argument
           and registered-range checks and error translation),
+- samehost: kvo_transport's SameHostEngine.read (process_vm_readv straight from the peer's
+          memory, chosen because both processes share this host; Mooncake is its inner engine),
 - memcpy: torch copies of the same blocks inside one process (the ceiling on this machine).
 
 Medians over repetitions; target: kvo >= 90% of raw. Also the control plane's READY -> DONE
@@ -83,8 +85,9 @@ def refuse_outside_loopback_namespace() -> None:
 def serve(conn: Any, nbytes: int) -> None:
     """Peer process: a registered region with known bytes, alive until told to stop."""
     from kvo_transport.engine import create_transfer_engine
+    from kvo_transport.samehost_engine import SameHostEngine
 
-    engine = create_transfer_engine("mooncake")
+    engine = SameHostEngine(create_transfer_engine("mooncake"))
     region = torch.randint(0, 256, (nbytes,), generator=torch.Generator().manual_seed(3),
                            dtype=torch.uint8)
     engine.register(region.data_ptr(), nbytes)
@@ -115,18 +118,23 @@ def median_seconds(runs: list[Callable[[], None]], reps: int) -> list[float]:
 
 def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
     from kvo_transport.engine import create_transfer_engine
+    from kvo_transport.samehost_engine import SameHostEngine, split_session_id
 
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     peer = ctx.Process(target=serve, args=(theirs, scenario.total_bytes), daemon=True)
     peer.start()
-    engine = create_transfer_engine("mooncake")
+    same_host = SameHostEngine(create_transfer_engine("mooncake"))
+    engine = same_host.inner
     try:
         if not ours.poll(300):
             raise RuntimeError("the peer process did not start within 300 s")
-        session, remote_base = ours.recv()
+        full_session, remote_base = ours.recv()
+        session = split_session_id(full_session)[0]
         dest = torch.zeros(scenario.total_bytes, dtype=torch.uint8)
-        engine.register(dest.data_ptr(), dest.numel())
+        same_host.register(dest.data_ptr(), dest.numel())
+        if not same_host.direct_to(full_session):
+            raise RuntimeError("the same-host engine does not take the direct path to its peer")
         # Layer i's blocks come from the peer's layer i in reversed order: non-contiguous,
         # as block tables are, and identical descriptors for raw and kvo.
         batches = []
@@ -147,6 +155,10 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
             for local, remote, lengths in batches:
                 engine.read(session, local, remote, lengths)
 
+        def pull_same_host() -> None:
+            for local, remote, lengths in batches:
+                same_host.read(full_session, local, remote, lengths)
+
         src = torch.randint(0, 256, (scenario.total_bytes,), dtype=torch.uint8)
         src_blocks = src.view(-1, scenario.block_bytes)
         dst_blocks = dest.view(-1, scenario.block_bytes)
@@ -162,14 +174,18 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
             for local, remote, lengths in batches:
                 engine._registry.check_batch(session, local, remote, lengths)  # type: ignore[attr-defined]
 
-        raw_s, kvo_s = median_seconds([pull_raw, pull_kvo], reps)
+        raw_s, kvo_s, same_host_s = median_seconds([pull_raw, pull_kvo, pull_same_host], reps)
         (check_s,) = median_seconds([check_only], reps)
         expected = torch.randint(0, 256, (scenario.total_bytes,),
                                  generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
         got = dest.view(scenario.layers, scenario.blocks_per_layer, -1)
         want = expected.view(scenario.layers, scenario.blocks_per_layer, -1).flip(1)
-        if not torch.equal(got, want):
-            raise RuntimeError(f"{scenario.name}: pulled bytes differ from the peer's")
+        for pull in (pull_kvo, pull_same_host):  # each path alone leaves the peer's bytes
+            dest.zero_()
+            pull()
+            if not torch.equal(got, want):
+                raise RuntimeError(f"{scenario.name}: {pull.__name__} pulled bytes that differ "
+                                   "from the peer's")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one core copies, as one Mooncake worker does
         try:
@@ -181,7 +197,7 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
         peer.join(60)
         if peer.is_alive():
             peer.kill()
-        engine.close()
+        same_host.close()
     gb = scenario.total_bytes / 1e9
     return {
         "scenario": scenario.name,
@@ -196,6 +212,9 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
         "raw_gbps": gb / raw_s,
         "kvo_gbps": gb / kvo_s,
         "memcpy_gbps": gb / memcpy_s,
+        "same_host_median_s": same_host_s,
+        "same_host_gbps": gb / same_host_s,
+        "same_host_vs_kvo": kvo_s / same_host_s,
         "kvo_vs_raw": raw_s / kvo_s,
         "kvo_per_layer_us": kvo_s / scenario.layers * 1e6,
         "kvo_check_per_layer_us": check_s / scenario.layers * 1e6,
@@ -224,13 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     reps = 5 if args.quick else 11
     rows = [measure(s, reps) for s in scenarios(args.quick)]
     header = (f"{'scenario':<14}{'MiB':>8}{'raw GB/s':>10}{'kvo GB/s':>10}{'memcpy GB/s':>13}"
-              f"{'kvo/raw':>9}{'kvo us/layer':>14}{'check us/layer':>16}")
+              f"{'kvo/raw':>9}{'kvo us/layer':>14}{'check us/layer':>16}"
+              f"{'same-host GB/s':>16}{'same-host/kvo':>15}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['scenario']:<14}{r['total_bytes'] / 2**20:>8.1f}{r['raw_gbps']:>10.2f}"
               f"{r['kvo_gbps']:>10.2f}{r['memcpy_gbps']:>13.2f}{r['kvo_vs_raw']:>9.3f}"
-              f"{r['kvo_per_layer_us']:>14.0f}{r['kvo_check_per_layer_us']:>16.1f}")
+              f"{r['kvo_per_layer_us']:>14.0f}{r['kvo_check_per_layer_us']:>16.1f}"
+              f"{r['same_host_gbps']:>16.2f}{r['same_host_vs_kvo']:>14.2f}x")
     print(f"target: kvo/raw >= {TARGET_RATIO}")
     roundtrip = control_roundtrip(args.quick)
     if roundtrip is not None:

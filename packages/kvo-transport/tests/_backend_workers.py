@@ -29,11 +29,14 @@ def pattern(seed: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
 
 
-def serve_region(conn: Connection, nbytes: int, seed: int) -> None:
+def serve_region(conn: Connection, nbytes: int, seed: int, same_host: bool = False) -> None:
     """Own a registered region filled with pattern(seed) and answer commands until "stop"."""
     from kvo_transport.engine import create_transfer_engine
+    from kvo_transport.samehost_engine import SameHostEngine
 
     engine = create_transfer_engine("mooncake")
+    if same_host:
+        engine = SameHostEngine(engine)
     region = pattern(seed, nbytes)
     engine.register(region.data_ptr(), nbytes)
     conn.send((engine.session_id, region.data_ptr(), nbytes))

@@ -14,6 +14,17 @@ from typing import Any, Protocol
 from kvo_core.errors import ConfigError
 
 TRANSFER_BACKENDS = ("mooncake", "memfabric")
+SAME_HOST_MARK = " samehost="
+"""Separates a session id from the same-host address a SameHostEngine appends to it."""
+
+
+def inner_session_id(session_id: str) -> str:
+    """The session id without a same-host part: what a library engine addresses the peer by.
+
+    Lets an engine that copies through its library (no same-host path, or device memory) talk
+    to a peer whose SameHostEngine advertises one.
+    """
+    return session_id.partition(SAME_HOST_MARK)[0]
 
 
 class TransferEngine(Protocol):
@@ -76,18 +87,30 @@ class TransferEngine(Protocol):
         ...
 
 
-def create_transfer_engine(backend: str = "mooncake", **options: Any) -> TransferEngine:
+def create_transfer_engine(backend: str = "mooncake", *, same_host: bool = False,
+                           **options: Any) -> TransferEngine:
     """Build the named backend with its options.
 
     mooncake options: hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
     device_name="". memfabric options: see kvo_transport.memfabric_engine.MemFabricOptions.
+    ``same_host=True`` (mooncake, registered memory in host RAM only) wraps the engine in a
+    SameHostEngine: peers on the same host are then copied to and from directly
+    (process_vm_readv), every other peer through Mooncake.
     Raises ConfigError for an unknown backend or option, BackendUnavailableError (naming the pip
     extra) when the backend's package is missing, TransferError when the engine fails to start.
     """
     if backend == "mooncake":
         from kvo_transport.mooncake_engine import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(**options)
+        engine = MooncakeTransferEngine(**options)
+        if not same_host:
+            return engine
+        from kvo_transport.samehost_engine import SameHostEngine
+
+        return SameHostEngine(engine)
+    if same_host:
+        raise ConfigError(f"same_host=True is for the mooncake backend (host memory), not "
+                          f"{backend!r}")
     if backend == "memfabric":
         from kvo_transport.memfabric_engine import MemFabricTransferEngine
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvo_transport.engine import inner_session_id
 from kvo_transport.errors import TransferError
 from kvo_transport.region_owner import RegionOwner
 from kvo_transport.regions import MemoryRegion, RegionRegistry, TransferBatch
@@ -98,7 +99,8 @@ class LibraryTransferEngine(RegionOwner):
     def _transfer(self, direction: str, peer: str, local_addrs: Sequence[int],
                   remote_addrs: Sequence[int], lengths: Sequence[int]) -> None:
         self._check_open()
-        batch = self._registry.check_batch(peer, local_addrs, remote_addrs, lengths)
+        batch = self._registry.check_batch(inner_session_id(peer), local_addrs, remote_addrs,
+                                           lengths)
         call = (self._engine.batch_transfer_sync_read if direction == "read from"
                 else self._engine.batch_transfer_sync_write)
         mark = self._mark()

@@ -139,8 +139,11 @@ class DecodePuller:
         layers, block_bytes = describe_kv_caches(kv_caches)
         config = self.config
         if config.transfer_backend == "mooncake":
+            # Direct copies (process_vm_readv) when the peer shares this host and the KV
+            # lives in host memory; Mooncake otherwise.
+            on_host = all(tensor.device.type == "cpu" for _, _, tensor in layers)
             raw = create_transfer_engine("mooncake", hostname=config.local_hostname,
-                                         protocol=config.mooncake_protocol)
+                                         protocol=config.mooncake_protocol, same_host=on_host)
         else:
             raw = create_transfer_engine("memfabric", protocol=config.memfabric_transfer_protocol)
         regions = []
