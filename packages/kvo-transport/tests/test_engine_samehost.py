@@ -23,6 +23,7 @@ from kvo_transport.samehost_engine import (
     IOV_MAX,
     MARK,
     SameHostEngine,
+    host_key,
     split_session_id,
     start_time,
 )
@@ -284,3 +285,10 @@ def test_a_killed_process_registry_is_removed_by_the_next_engine() -> None:
     assert address.registry.exists()
     SameHostEngine(create_transfer_engine("mooncake")).close()
     assert not address.registry.exists()
+
+
+def test_the_host_key_names_boot_pid_and_network_namespace() -> None:
+    boot, pid_ns, net_ns = host_key().split(".")
+    assert len(boot) == 32 and int(boot, 16) >= 0
+    assert int(pid_ns) == os.stat("/proc/self/ns/pid").st_ino
+    assert int(net_ns) == os.stat("/proc/self/ns/net").st_ino  # netns-separated "hosts" differ

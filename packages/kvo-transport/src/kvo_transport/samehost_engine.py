@@ -7,9 +7,9 @@ intermediate buffer. ``SameHostEngine`` keeps an inner engine (Mooncake) for eve
 cannot reach that way and picks the direct path per peer, automatically:
 
 - its session id is the inner engine's plus ``" samehost=<host>/<pid>/<start>/<registry>"``,
-  where ``<host>`` names the kernel (boot id) and pid namespace, ``<start>`` the process's start
-  time (a reused pid does not pass) and ``<registry>`` a 0600 file under /dev/shm in which this
-  process lists the regions it registered;
+  where ``<host>`` names the kernel (boot id), pid and network namespace, ``<start>`` the
+  process's start time (a reused pid does not pass) and ``<registry>`` a 0600 file under
+  /dev/shm in which this process lists the regions it registered;
 - a read or write goes direct only if the peer's ``<host>`` equals ours, its pid still has the
   recorded start time and its registry file is visible here; every remote range must lie in a
   region the peer registered (else TransferArgumentError, nothing copied): the contract of the
@@ -53,9 +53,15 @@ IOV_MAX = 1024
 
 
 def host_key() -> str:
-    """Same value in two processes iff they share a kernel boot and a pid namespace."""
+    """Same value in two processes iff they share a kernel boot, a pid and a network namespace.
+
+    The pid namespace makes the peer's pid meaningful here; the network namespace keeps
+    processes that were given separate network stacks (containers, or the separate "hosts" of
+    the multi-host e2e test) on the network path, as separate hosts would be.
+    """
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
-    return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
+    pid_ns, net_ns = (os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "net"))
+    return f"{boot}.{pid_ns}.{net_ns}"
 
 
 def start_time(pid: int) -> int | None:
