@@ -327,3 +327,28 @@ def test_bad_sparse_settings_fail_at_start_naming_the_field(engine_env: None,
             _engine(dsv32_model, additional_config={"kvo_sparse": settings})
         for word in words:
             assert word in str(raised.value)
+
+
+def test_mtp_speculative_decoding_gives_the_same_tokens(engine_env: None, served: Served,
+                                                        tmp_path_factory: pytest.TempPathFactory
+                                                        ) -> None:
+    """The draft model (one MTP layer, its own indexer) runs through kvo's indexer and backend;
+    the main model verifies two query rows per request per step and must answer as without."""
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    from kvo_vllm.dsa.stats import COUNTERS
+
+    model = build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-mtp"), num_layers=NUM_LAYERS,
+                             index_topk=INDEX_TOPK, mtp=True)  # same main layers, one MTP layer
+    llm = _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    try:
+        COUNTERS.reset()
+        answers = _generate(llm)
+        counted = attrs.asdict(COUNTERS)
+    finally:
+        _stop(llm)
+    assert [tokens for tokens, _ in answers] == [tokens for tokens, _ in served.first]
+    # the main layers alone would have indexed exactly served.counted's rows; the draft's
+    # layer and the verified draft tokens add more
+    assert counted["indexer_rows"] > served.counted["indexer_rows"]
+    assert counted["attention_rows"] == counted["indexer_rows"]

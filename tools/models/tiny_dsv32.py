@@ -10,7 +10,11 @@ that the next token depends on the context (a wrong row selected or read changes
 float32 weights: pass ``dtype="float32"`` to vLLM (the CPUs here are AVX2/AVX-512 without bf16
 speed-ups).
 
-Usage: ``python tools/models/tiny_dsv32.py PATH [--layers N] [--topk K] [--seed S]``.
+``mtp=True`` adds one multi-token-prediction layer (``model.layers.{N}.*``: a decoder block with
+its own indexer plus ``enorm``/``hnorm``/``eh_proj``/``shared_head``; transformers writes none)
+and ``num_nextn_predict_layers=1``, so vLLM can run ``speculative_config={"method": "mtp"}``.
+
+Usage: ``python tools/models/tiny_dsv32.py PATH [--layers N] [--topk K] [--seed S] [--mtp]``.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ ROPE_DIM = 64
 INDEX_HEAD_DIM = 128
 
 
-def _parameters(num_layers: int, index_topk: int, seed: int) -> dict[str, int]:
-    return {"num_layers": num_layers, "index_topk": index_topk, "seed": seed, "format": 1}
+def _parameters(num_layers: int, index_topk: int, seed: int, mtp: bool) -> dict[str, int]:
+    return {"num_layers": num_layers, "index_topk": index_topk, "seed": seed, "mtp": int(mtp),
+            "format": 1}
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -43,7 +48,7 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def build_tiny_dsv32(path: str | os.PathLike[str], num_layers: int = 2, index_topk: int = 32,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, mtp: bool = False) -> Path:
     """Write the random model to ``path`` and return the directory.
 
     Deterministic: the same ``(num_layers, index_topk, seed)`` always gives the same weights;
@@ -56,7 +61,7 @@ def build_tiny_dsv32(path: str | os.PathLike[str], num_layers: int = 2, index_to
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target = Path(path)
     marker = target / MARKER
-    wanted = _parameters(num_layers, index_topk, seed)
+    wanted = _parameters(num_layers, index_topk, seed, mtp)
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return target
 
@@ -89,8 +94,39 @@ def build_tiny_dsv32(path: str | os.PathLike[str], num_layers: int = 2, index_to
         marker.unlink()
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
+    if mtp:
+        _add_mtp_layer(target, seed)
     marker.write_text(json.dumps(wanted))
     return target
+
+
+def _add_mtp_layer(target: Path, seed: int) -> None:
+    """Append layer N (N = num_hidden_layers) as DeepSeek's MTP layer, with random weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((target / "config.json").read_text())
+    last = config["num_hidden_layers"]
+    config["num_nextn_predict_layers"] = 1
+    config["first_k_dense_replace"] = last + 1  # the MTP block's MLP dense like the others
+    weights = load_file(str(target / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed + 1)
+    source, layer = f"model.layers.{last - 1}.", f"model.layers.{last}."
+    for name, value in list(weights.items()):
+        if name.startswith(source):  # the block: the last layer's shapes, fresh values
+            fresh = (torch.randn(value.shape, generator=generator) * 0.3 if value.dim() >= 2
+                     else value.clone())
+            weights[layer + name[len(source):]] = fresh.to(value.dtype)
+    hidden = config["hidden_size"]
+    weights[layer + "enorm.weight"] = torch.ones(hidden)
+    weights[layer + "hnorm.weight"] = torch.ones(hidden)
+    weights[layer + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.1
+    weights[layer + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    weights[layer + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights[layer + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file({name: value.contiguous() for name, value in weights.items()},
+              str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="number of layers (default 2)")
     parser.add_argument("--topk", type=int, default=32, help="index_topk (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--mtp", action="store_true", help="add one MTP layer")
     args = parser.parse_args(argv)
     print(build_tiny_dsv32(args.path, num_layers=args.layers, index_topk=args.topk,
-                           seed=args.seed))
+                           seed=args.seed, mtp=args.mtp))
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
 from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, Indexer
 
 from kvo_core.config import SparseDecodeOffloadConfig
@@ -89,14 +90,28 @@ def use_native_rotary(model: torch.nn.Module) -> int:
     return swapped
 
 
+def serve_with_kvo(model: torch.nn.Module, vllm_config: VllmConfig) -> None:
+    """kvo's indexers, native rotary and main-KV strategies on a built DeepSeek-V3.2 model."""
+    config = sparse_config_for(vllm_config)
+    head_dim = int(vllm_config.model_config.hf_text_config.index_head_dim)
+    if use_kvo_indexers(model, IndexerKeyLayout(head_dim, config.indexer_kv_dtype)) == 0:
+        raise RuntimeError("kvo: the model has no lightning indexer to serve on CPU")
+    use_native_rotary(model)
+    bind_sparse_layers(model, config, vllm_config)
+
+
 class KvoDeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """``DeepseekV32ForCausalLM`` on CPU with kvo's indexer (registered by kvo's plugin)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        config = sparse_config_for(vllm_config)
-        head_dim = int(vllm_config.model_config.hf_text_config.index_head_dim)
-        if use_kvo_indexers(self, IndexerKeyLayout(head_dim, config.indexer_kv_dtype)) == 0:
-            raise RuntimeError("kvo: the model has no lightning indexer to serve on CPU")
-        use_native_rotary(self)
-        bind_sparse_layers(self, config, vllm_config)
+        serve_with_kvo(self, vllm_config)
+
+
+class KvoDeepseekV32MTP(DeepSeekMTP):
+    """The MTP draft model of ``DeepseekV32ForCausalLM`` (``speculative_config={"method":
+    "mtp"}``): its decoder block has its own indexer and sparse MLA layer, served alike."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        serve_with_kvo(self, vllm_config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 _registered = False
 
 ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+MTP_ARCHITECTURES = ("DeepseekV32MTPModel",)
 
 
 def register_dsa_components() -> None:
@@ -17,7 +18,7 @@ def register_dsa_components() -> None:
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
     from kvo_vllm.dsa.indexer import KvoSparseAttnIndexer
-    from kvo_vllm.dsa.model import KvoDeepseekV32ForCausalLM
+    from kvo_vllm.dsa.model import KvoDeepseekV32ForCausalLM, KvoDeepseekV32MTP
 
     if op_registry_oot.get(SparseAttnIndexer.__name__) is not KvoSparseAttnIndexer:
         SparseAttnIndexer.register_oot(KvoSparseAttnIndexer)
@@ -25,4 +26,6 @@ def register_dsa_components() -> None:
     # model in a fresh subprocess at every start (tens of seconds).
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, KvoDeepseekV32ForCausalLM)
+    for architecture in MTP_ARCHITECTURES:
+        ModelRegistry.register_model(architecture, KvoDeepseekV32MTP)
     _registered = True
