@@ -1,0 +1,221 @@
+"""The offloaded main-KV cache of one vLLM worker: host pool, hot buffers, residency per layer.
+
+Pure torch + kvo (no vLLM import), so its rules are unit-tested with plain tensors; the vLLM
+glue (``offload.py``) feeds it vLLM's slot mapping, top-k buffer, query start locations,
+sequence lengths and block tables.
+
+Layout. The host pool (``kvo_vllm.sparse.host_store.HostKVStore`` over a
+``kvo_transport.HostPool``) holds every offloaded layer's main-KV rows laid out like vLLM's
+paged cache: pool row ``block_id * block_size + offset`` *is* vLLM's slot id, so vLLM's slot
+mapping writes and its block tables address the pool directly (prefix-cache block sharing and
+preemption need nothing extra). The device keeps, per layer, a hot buffer of ``max_rows x
+capacity`` rows (one residency row per batch row) and the residency table.
+
+Per layer call:
+
+1. ``write``: the new tokens' rows go to the pool at their slots (prefill and decode alike);
+2. ``gather``: batch rows whose query has at most ``decode_query_rows`` tokens (decode, MTP
+   drafts) go through residency: their query rows' top-k lists are concatenated into the
+   request's residency row (shared by its query rows), the table returns hits/misses/slots,
+   only the misses are copied pool -> hot buffer (``kvo::sparse_copy``), and each query row's
+   rows come from the hot buffer through its remapped slots. Longer queries (prefill chunks)
+   read their rows straight from the pool: their top-k union would not fit a hot row, and
+   they write most of what they read in the same call.
+
+Either way a token gets bit-identical rows in top-k order, so attention over them equals the
+resident path's. Row identity between calls: ``offload_identity.RowIdentity``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvo_core.errors import ConfigError
+from kvo_core.residency import RequestState
+from kvo_kernels import ops
+from kvo_vllm.dsa.offload_identity import RowIdentity
+from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
+from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
+from kvo_vllm.sparse.layout import SparseModelLayout
+from kvo_vllm.sparse.residency_backend import make_residency_table
+
+_I64 = torch.int64
+
+
+def _positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class OffloadManager:
+    """Main-KV offload state of one worker for all its offloaded layers (module docstring).
+
+    ``num_blocks`` is vLLM's KV block count (the pool holds that many blocks per layer),
+    ``max_rows`` its ``max_num_seqs``, ``top_k`` the width of the top-k buffer; ``capacity``
+    the hot rows per batch row, which must hold ``decode_query_rows x top_k`` (the most one
+    residency row can select in one call).
+    """
+
+    def __init__(self, layout: SparseModelLayout, *, num_blocks: int, block_size: int,
+                 max_rows: int, max_blocks_per_row: int, top_k: int, capacity: int,
+                 decode_query_rows: int, pool_name: str, residency_backend: str = "torch",
+                 copy_implementation: str | None = None, device: torch.device | str = "cpu",
+                 stats: OffloadStats | None = None) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_rows", max_rows), ("max_blocks_per_row", max_blocks_per_row),
+                            ("top_k", top_k), ("capacity", capacity),
+                            ("decode_query_rows", decode_query_rows)):
+            _positive(name, value)
+        if capacity < decode_query_rows * top_k:
+            raise ConfigError(
+                f"hot_capacity {capacity} cannot hold one residency row's selection: "
+                f"{decode_query_rows} query rows x top-k {top_k} = {decode_query_rows * top_k}; "
+                f"raise hot_capacity or lower max_query_rows")
+        self.layout = layout
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_rows = max_rows
+        self.top_k = top_k
+        self.capacity = capacity
+        self.decode_query_rows = decode_query_rows
+        self.device = torch.device(device)
+        self.copy_implementation = copy_implementation
+        self.stats = stats or OffloadStats()
+        nbytes = pool_bytes_for(num_blocks * block_size, layout, block_size)
+        self.store = HostKVStore.create(pool_name, nbytes, layout, block_size)
+        try:
+            rows = max_rows * capacity
+            self.hot = [torch.zeros(rows, layout.row_dim, dtype=layout.kv_dtype,
+                                    device=self.device) for _ in range(layout.num_layers)]
+            self.tables = [make_residency_table(residency_backend, max_rows, capacity)
+                           for _ in range(layout.num_layers)]
+            self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
+                                         block_size=block_size,
+                                         max_blocks_per_row=max_blocks_per_row)
+                             for _ in range(layout.num_layers)]
+        except BaseException:
+            self.store.close()
+            raise
+
+    # -- what the device and the host hold ---------------------------------------------------
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+    @property
+    def hot_buffer_bytes(self) -> int:
+        """Device bytes of all layers' hot buffers."""
+        return sum(h.numel() * h.element_size() for h in self.hot)
+
+    @property
+    def pool_region(self) -> tuple[int, int]:
+        """(address, bytes) of the whole host pool, for registering with a transfer engine."""
+        return self.store.pool.ptr, self.store.pool.nbytes
+
+    def pool_layer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s pool rows ``[num_blocks * block_size, row_dim]`` (slot-indexed)."""
+        return self.store.layer(layer)[:self.num_blocks * self.block_size]
+
+    # -- the per-call pipeline ---------------------------------------------------------------
+
+    def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write main-KV rows ``[N, row_dim]`` at vLLM slots ``[>= N]`` (-1 = skip)."""
+        slots = slots.reshape(-1)[:rows.shape[0]].to(_I64)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            rows, slots = rows[keep], slots[keep]
+        pool = self.pool_layer(layer)
+        pool.index_copy_(0, slots.cpu(), rows.to(device="cpu", dtype=pool.dtype))
+        self.identity[layer].note_writes(slots.cpu())
+
+    def gather(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows to attend to per query token, ``([T, K, row_dim], valid [T, K])``.
+
+        ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
+        ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
+        """
+        topk = topk.cpu().to(_I64)
+        qsl = query_start_loc.cpu().to(_I64)
+        seq_lens = seq_lens.cpu().to(_I64)
+        count, width = topk.shape
+        requests = int(seq_lens.shape[0])
+        bs = self.block_size
+        query_lens = qsl[1:requests + 1] - qsl[:requests]
+        blocks = block_table[:requests].cpu().to(_I64)
+        req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
+        if req.numel() != count:
+            raise ValueError(f"top-k has {count} rows, the query start locations name "
+                             f"{req.numel()} tokens")
+        valid = topk >= 0
+        pos = topk.clamp(min=0)
+        pool_rows = blocks[req].gather(1, pos // bs) * bs + pos % bs        # [T, K]
+
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        decode = (query_lens >= 1) & (query_lens <= self.decode_query_rows)
+        decode_tok = decode[req]
+        self.identity[layer].forget(~decode)
+        hot = self.hot[layer]
+        pool = self.pool_layer(layer)
+        out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
+                          device=self.device)
+
+        selected = hits = misses = 0
+        if bool(decode.any()):
+            hot_index, misses = self._residency(layer, topk, req, qsl, decode, decode_tok,
+                                                serials, seq_lens, query_lens, blocks)
+            out[decode_tok] = hot[hot_index[decode_tok].to(self.device)]
+            selected = int(valid[decode_tok].sum())
+            hits = selected - misses
+        direct = ~decode_tok
+        if bool(direct.any()):
+            out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
+        out[~valid.to(self.device)] = 0
+
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=int(decode.sum()), pool_rows=int((~decode).sum()),
+            selected=selected, hits=hits, misses=misses, h2d_bytes=misses * self.row_bytes,
+            full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
+            pool_rows_used=int(seq_lens.sum())))
+        return out, valid.to(self.device)
+
+    def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
+                   decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,
+                   seq_lens: torch.Tensor, query_lens: torch.Tensor, blocks: torch.Tensor
+                   ) -> tuple[torch.Tensor, int]:
+        """Residency update, miss copies; returns each token's hot-buffer rows and the misses."""
+        count, width = topk.shape
+        requests = int(seq_lens.shape[0])
+        bs, cap = self.block_size, self.capacity
+        row_width = self.decode_query_rows * width
+        query_row = torch.arange(count, dtype=_I64) - qsl[req]             # row within request
+        cols = query_row[:, None] * width + torch.arange(width, dtype=_I64)[None, :]
+        cols = cols.clamp(max=row_width - 1)  # non-decode tokens: masked out below anyway
+        row_topk = torch.full((self.max_rows, row_width), -1, dtype=_I64)
+        tok = decode_tok.nonzero().squeeze(1)
+        row_topk[req[tok][:, None].expand(-1, width), cols[tok]] = topk[tok]
+        request_ids = torch.full((self.max_rows,), -1, dtype=_I64)
+        request_ids[:requests] = serials
+        stable = torch.zeros(self.max_rows, dtype=_I64)
+        stable[:requests] = seq_lens - query_lens
+        states = torch.full((self.max_rows,), int(RequestState.NOT_OFFLOADED), dtype=_I64)
+        states[:requests][decode] = int(RequestState.STEADY)
+        result = self.tables[layer].update(row_topk, request_ids, stable, states)
+
+        counts = result.miss_counts[:requests]
+        listed = torch.arange(row_width, dtype=_I64)[None, :] < counts[:, None]
+        miss_pos = result.miss_tokens[:requests].clamp(min=0)
+        src = (blocks.gather(1, miss_pos // bs) * bs + miss_pos % bs)[listed]
+        dst = (result.miss_slots[:requests]
+               + torch.arange(requests, dtype=_I64)[:, None] * cap)[listed]
+        ops.sparse_copy(self.pool_layer(layer), self.hot[layer], src, dst.to(self.device),
+                        implementation=self.copy_implementation)
+        slots = result.slots[req[:, None], cols]                          # [T, K]
+        return (req[:, None] * cap + slots.clamp(min=0)), int(src.numel())
+
+    def close(self) -> None:
+        """Release the host pool (unlinks the shared-memory segment)."""
+        self.store.close()

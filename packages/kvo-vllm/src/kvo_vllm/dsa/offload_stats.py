@@ -1,0 +1,86 @@
+"""Counters of the offload path inside vLLM: per layer call and running totals, logged every N.
+
+A "layer call" is one attention forward of one layer (one vLLM step runs every layer once).
+``hits`` counts the selected entries of decode rows served from the hot buffer without a copy
+(with several query rows per request, a position two rows select counts for each row);
+``misses`` the distinct rows copied host -> device; ``h2d_bytes`` is ``misses x row bytes`` by
+construction of the copy, which tests check against the bytes the copy op really moved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+log = logging.getLogger("kvo.vllm.dsa.offload")
+
+
+@attrs.frozen
+class OffloadLayerStats:
+    """One layer call, summed over the batch."""
+
+    layer: int
+    decode_rows: int        # requests that went through residency (query rows <= the limit)
+    pool_rows: int          # requests whose tokens attended straight to the pool (prefill)
+    selected: int           # valid top-k entries of the decode rows' tokens
+    hits: int
+    misses: int
+    h2d_bytes: int
+    full_reload_bytes: int  # bytes a reload of the decode rows' whole history would move
+    pool_rows_used: int     # tokens the batch's requests hold in the pool (sum of seq lens)
+
+
+@attrs.define
+class OffloadTotals:
+    """Running sums over every layer call since start; ``steps`` counts calls of layer 0."""
+
+    steps: int = 0
+    calls: int = 0
+    selected: int = 0
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    full_reload_bytes: int = 0
+
+    def add(self, stats: OffloadLayerStats) -> None:
+        self.calls += 1
+        self.selected += stats.selected
+        self.hits += stats.hits
+        self.misses += stats.misses
+        self.h2d_bytes += stats.h2d_bytes
+        self.full_reload_bytes += stats.full_reload_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.selected if self.selected else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**attrs.asdict(self), "hit_rate": self.hit_rate}
+
+
+class OffloadStats:
+    """Keeps the last call per layer, the totals, and logs the totals every ``log_every`` steps.
+
+    ``history`` (when ``keep_history``) lists every call, for tests and the benchmark.
+    """
+
+    def __init__(self, *, log_every: int = 0, keep_history: bool = False) -> None:
+        self.log_every = log_every
+        self.keep_history = keep_history
+        self.totals = OffloadTotals()
+        self.last: dict[int, OffloadLayerStats] = {}
+        self.history: list[OffloadLayerStats] = []
+
+    def record(self, stats: OffloadLayerStats) -> None:
+        if stats.layer == 0:
+            self.totals.steps += 1
+            if self.log_every and self.totals.steps % self.log_every == 0:
+                t = self.totals
+                log.info("kvo offload: %d steps, hit rate %.3f, %d misses, %.1f MiB host->device "
+                         "(full reload would be %.1f MiB)", t.steps, t.hit_rate, t.misses,
+                         t.h2d_bytes / 2**20, t.full_reload_bytes / 2**20)
+        self.totals.add(stats)
+        self.last[stats.layer] = stats
+        if self.keep_history:
+            self.history.append(stats)
