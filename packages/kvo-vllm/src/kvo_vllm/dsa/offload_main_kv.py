@@ -1,0 +1,127 @@
+"""``mode="offload"``: the :class:`~kvo_vllm.dsa.main_kv.MainKVAccess` strategy whose rows live
+in a kvo host pool (the seam: :mod:`kvo_vllm.dsa.main_kv`; the rules:
+:mod:`kvo_vllm.dsa.offload_manager`; what vLLM allocates: :mod:`kvo_vllm.dsa.offload_backend`).
+
+All offloaded layers of one worker share one :class:`OffloadWorker`: one host pool (every
+layer's rows, laid out by vLLM slot id), per-layer hot buffers and residency tables, one set
+of counters. It is created at the first write after vLLM bound the KV cache, when the number of
+blocks (the placeholder view's first dimension) and every offloaded layer (registered when
+kvo's model class binds the layers, draft layers included) are known.
+:func:`offload_workers` lists the live workers of this process (tests, benchmarks, metrics).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
+from kvo_vllm.dsa.offload_manager import OffloadManager
+from kvo_vllm.dsa.offload_stats import OffloadStats
+from kvo_vllm.sparse.layout import SparseModelLayout
+
+LOG_EVERY_ENV = "KVO_OFFLOAD_LOG_EVERY"
+_pool_names = itertools.count()
+_workers: dict[int, OffloadWorker] = {}
+
+
+class OffloadWorker:
+    """The offload state one vLLM worker's offloaded layers share (module docstring)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self._config_ref = weakref.ref(vllm_config)
+        self.layer_names: list[str] = []
+        self.manager: OffloadManager | None = None
+        self.stats = OffloadStats(log_every=int(os.environ.get(LOG_EVERY_ENV, "100")),
+                                  keep_history=True)
+
+    def register(self, layer: LayerInfo) -> int:
+        if self.manager is not None:
+            raise RuntimeError(f"{layer.layer_name}: registered after the host pool was built")
+        self.layer_names.append(layer.layer_name)
+        return len(self.layer_names) - 1
+
+    def ensure_manager(self, layer: LayerInfo, kv_cache: torch.Tensor) -> OffloadManager:
+        if self.manager is not None:
+            return self.manager
+        vllm_config = layer.vllm_config
+        config = layer.config
+        placeholder = cache_rows(kv_cache)
+        num_blocks, block_size = int(placeholder.shape[0]), int(placeholder.shape[1])
+        text = vllm_config.model_config.hf_text_config
+        layout = SparseModelLayout(
+            num_layers=len(self.layer_names), latent_dim=layer.kv_lora_rank,
+            rope_dim=layer.rope_dim, index_dim=int(text.index_head_dim),
+            softmax_scale=1.0,  # the store reads only the row geometry
+            kv_dtype=placeholder.dtype)
+        self.manager = OffloadManager(
+            layout, num_blocks=num_blocks, block_size=block_size,
+            max_rows=int(vllm_config.scheduler_config.max_num_seqs),
+            max_blocks_per_row=-(-int(vllm_config.model_config.max_model_len) // block_size),
+            top_k=config.top_k, capacity=config.hot_capacity,
+            decode_query_rows=min(config.max_query_rows, config.hot_capacity // config.top_k),
+            pool_name=f"dsa-{os.getpid()}-{next(_pool_names)}",
+            residency_backend=config.residency_backend,
+            copy_implementation=None if config.kernel_backend == "auto" else "reference",
+            device=placeholder.device, stats=self.stats)
+        return self.manager
+
+    def matches(self, vllm_config: Any) -> bool:
+        return self._config_ref() is vllm_config
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+
+def _worker_for(vllm_config: Any) -> OffloadWorker:
+    key = id(vllm_config)
+    worker = _workers.get(key)
+    if worker is None or not worker.matches(vllm_config):
+        worker = _workers[key] = OffloadWorker(vllm_config)
+        weakref.finalize(vllm_config, _forget, key, worker)
+    return worker
+
+
+def _forget(key: int, worker: OffloadWorker) -> None:
+    if _workers.get(key) is worker:
+        del _workers[key]
+    worker.close()
+
+
+def offload_workers() -> list[OffloadWorker]:
+    """The offload workers alive in this process (one per engine worker)."""
+    return list(_workers.values())
+
+
+class OffloadMainKV:
+    """One offloaded layer's access to the shared :class:`OffloadWorker`."""
+
+    def __init__(self, layer: LayerInfo) -> None:
+        if layer.vllm_config is None:
+            raise ValueError(f"{layer.layer_name}: offload mode needs the engine's vllm_config")
+        self.layer = layer
+        self.worker = _worker_for(layer.vllm_config)
+        self.index = self.worker.register(layer)
+
+    def write(self, kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
+              metadata: Any) -> None:
+        manager = self.worker.ensure_manager(self.layer, kv_cache)
+        manager.write(self.index, rows, slot_mapping)
+
+    def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
+        manager = self.worker.ensure_manager(self.layer, kv_cache)
+        requests = int(metadata.num_reqs)
+        tokens = int(metadata.query_start_loc[requests])
+        rows, valid = manager.gather(
+            self.index, topk[:tokens], metadata.query_start_loc[:requests + 1],
+            metadata.seq_lens[:requests], metadata.block_table[:requests])
+        if tokens < topk.shape[0]:  # padded tokens: no rows
+            pad = topk.shape[0] - tokens
+            rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+            valid = torch.cat([valid, valid.new_zeros(pad, valid.shape[1])])
+        return SelectedRows(rows=rows, valid=valid)
