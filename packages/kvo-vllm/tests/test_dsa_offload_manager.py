@@ -216,7 +216,7 @@ def test_new_request_in_reused_blocks_never_hits_stale_rows() -> None:
 
 
 def test_capacity_must_hold_the_query_rows_selection() -> None:
-    with pytest.raises(ConfigError, match="hot_capacity 10 .* 2 query rows x top-k 6"):
+    with pytest.raises(ConfigError, match=r"hot_capacity 10 .* 2 query rows x top-k 6"):
         _manager(capacity=10)
     with pytest.raises(ConfigError, match="max_rows must be an integer >= 1, got 0"):
         _manager(max_rows=0)
