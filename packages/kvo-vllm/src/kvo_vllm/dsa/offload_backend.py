@@ -76,6 +76,26 @@ class KvoOffloadSparseMLABackend(KvoSparseMLABackend):
         return host_stored(super().customize_spec(spec))
 
 
+def sparse_backend_for_current_config(resident_backend: str) -> str:
+    """The sparse MLA backend class path for the engine being built (vLLM's current config)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from kvo_vllm.dsa.config import is_sparse_mla_model, sparse_config_for
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or not is_sparse_mla_model(vllm_config.model_config):
+        return resident_backend
+    return OFFLOAD_BACKEND if sparse_config_for(vllm_config).mode == "offload" else (
+        resident_backend)
+
+
+def configure_mode(vllm_config: Any, config: SparseDecodeOffloadConfig) -> None:
+    """The platform's start-up step for kvo's sparse mode (resident or offload)."""
+    forget_backend_choice()
+    if config.mode == "offload":
+        apply_offload_cache_config(vllm_config, config)
+
+
 def forget_backend_choice() -> None:
     """Drop vLLM's memo of attention backend choices (``_cached_get_attn_backend``).
 

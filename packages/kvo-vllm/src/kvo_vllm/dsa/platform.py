@@ -13,7 +13,9 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   one, keeps chunked prefill and the batch token budget as the user configured them (stock turns
   chunked prefill off for MLA because CPU_MLA cannot continue a prefill; kvo's backend runs
   every token through sparse attention over its own top-k, so it can), and validates kvo's
-  sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up.
+  sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up; with
+  ``mode="offload"`` the backend is the offload one and vLLM's block count the host pool's
+  (:mod:`kvo_vllm.dsa.offload_backend`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ class KvoCpuPlatform(CpuPlatform):
     def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any,
                              num_heads: int | None = None) -> str:
         if attn_selector_config.use_sparse and attn_selector_config.use_mla:
-            logger.info_once("kvo: sparse MLA attention through %s", SPARSE_MLA_BACKEND)
-            return SPARSE_MLA_BACKEND
+            from kvo_vllm.dsa.offload_backend import sparse_backend_for_current_config
+
+            backend = sparse_backend_for_current_config(SPARSE_MLA_BACKEND)
+            logger.info_once("kvo: sparse MLA attention through %s", backend)
+            return backend
         return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 
     @classmethod
@@ -55,4 +60,7 @@ class KvoCpuPlatform(CpuPlatform):
         scheduler.enable_chunked_prefill = chunked_prefill
         scheduler.max_num_batched_tokens = batched_tokens
         config = sparse_config_for(vllm_config)
+        from kvo_vllm.dsa.offload_backend import configure_mode
+
+        configure_mode(vllm_config, config)
         logger.info("kvo: sparse MLA model, block size %d, %s", cache.block_size, config)
