@@ -197,7 +197,8 @@ class Served:
     one_at_a_time: Answers
     """The same prompts through an engine with max_num_seqs=1."""
     checks: list[LayerCheck]
-    """Every sparse attention call of one more generate, checked against references."""
+    """Every sparse attention call of one more generate (chunked prefills and decodes), checked
+    against references."""
     c8: Answers
     """The prompts through an engine with the int8 (C8) indexer cache."""
     c8_row_bytes: list[int]
@@ -217,7 +218,7 @@ def served(engine_env: None, dsv32_model: Path) -> Served:
         counted = attrs.asdict(COUNTERS)
         second = _generate(llm)
         checks = llm.apply_model(_record_checks)[0]
-        _generate(llm, PROMPTS[1:])
+        _generate(llm)
     finally:
         _stop(llm)
     single = _engine(dsv32_model, max_num_seqs=1)
@@ -291,6 +292,8 @@ def test_dense_models_keep_vllm_cpu_backends() -> None:
 def test_each_layer_output_equals_the_reference_sparse_attention(served: Served) -> None:
     layers = {check.layer for check in served.checks}
     assert len(layers) == NUM_LAYERS
+    checked_rows = sum(check.output.shape[0] for check in served.checks)
+    assert checked_rows == served.counted["attention_rows"]  # every token, every layer
     for check in served.checks:
         torch.testing.assert_close(check.output, check.sparse_reference, rtol=1e-5, atol=1e-6)
 
