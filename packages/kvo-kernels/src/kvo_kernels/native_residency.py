@@ -170,7 +170,13 @@ class NativeResidencyTable:
         """
         if states is None:
             states = self._steady
-        buffers = None if out is None else out_buffers(out)  # the op checks the rest
+        if out is None:
+            buffers = None
+        elif type(out) is ResidencyResult:  # the common case, without out_buffers' checks:
+            # the op refuses anything but tensors, and then out_buffers names the bad field
+            buffers = (out.slots, out.miss_counts, out.miss_tokens, out.miss_slots)
+        else:
+            buffers = out_buffers(out)
         try:
             if buffers is None:
                 slots, miss_counts, miss_tokens, miss_slots = self._op(
@@ -182,6 +188,8 @@ class NativeResidencyTable:
                              self._max_seq_len, *buffers)
                 slots, miss_counts, miss_tokens, miss_slots = buffers
         except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+            if out is not None:
+                out_buffers(out)  # a field that is not a tensor, named
             message = _first_line(error)
             if isinstance(error, RuntimeError) and message.startswith(_OVERFLOW_PREFIX):
                 raise ResidencyOverflowError(message[len(_OVERFLOW_PREFIX):]) from error

@@ -8,10 +8,11 @@
 //    no branch (residency_scan.h);
 // 2. collects the other selected tokens (misses, and hits deeper in the order) in a small
 //    per-thread hash with a bit filter in front;
-// 3. reads the window once to split it into hits and unused entries, and the deep log once
-//    (a filter test per entry, AVX2 where the CPU has it) to find the deep hits and, from
-//    its head, the misses' victims;
-// 4. rewrites the window and appends the unused part of the old one to the deep log.
+// 3. reads the window once to count its hits (and find any the index lost to a collision),
+//    and the deep log once (a filter test per entry, AVX2 where the CPU has it) to find the
+//    deep hits and, from its head, the misses' victims;
+// 4. rewrites the window, the old one split on the way: its hits stay in the window, the
+//    rest is appended to the deep log.
 // Every random access lands in per-thread tables that stay in cache from row to row; the
 // row's own arrays are read front to back, which is what a cold table (each layer's, when its
 // turn comes) costs least for. So the work is O(K) random accesses plus one streamed pass
@@ -103,10 +104,7 @@ struct Scratch {
   std::vector<int64_t> filtered;        // deep log indices the filter let through
   std::vector<int64_t> slow;            // positions the window did not answer
   std::vector<int64_t> slow_cells;      // their tokens' cells
-  std::vector<uint8_t> is_slow;         // per position
   std::vector<uint8_t> window_hit;      // per window position
-  std::vector<int64_t> window_hits;     // window entries holding a hit, window order
-  std::vector<int64_t> unused;          // the other window entries, window order
   std::vector<Met> deep_hits;           // deep log entries holding a hit, log order
   std::vector<Met> candidates;          // deep log entries that are not hits, from the head
   std::vector<int64_t> victims;         // slots the misses take, LRU order
@@ -136,7 +134,6 @@ struct Scratch {
     if (static_cast<int64_t>(slow.size()) < width) {
       slow.resize(width);
       slow_cells.resize(width);
-      is_slow.resize(width);
       distinct_cells.resize(width);
       miss_cells.resize(width);
       sorted_tokens.resize(width);
@@ -148,13 +145,11 @@ struct Scratch {
     }
     if (static_cast<int64_t>(filtered.size()) < deep_size) filtered.resize(deep_size);
     if (static_cast<int64_t>(window_hit.size()) < window_size) window_hit.resize(window_size, 0);
-    if (static_cast<int64_t>(window_hits.size()) < capacity) {
-      window_hits.resize(capacity);
-      unused.resize(capacity);
+    if (static_cast<int64_t>(deep_hits.size()) < capacity) {
       deep_hits.resize(capacity);
       candidates.resize(capacity);
       victims.resize(capacity);
-      next_window.resize(capacity);
+      next_window.resize(capacity + 1);  // + 1: step 8 writes an entry before it counts it
     }
   }
 
@@ -307,10 +302,9 @@ inline void first_offload_row(Scratch& s, RowState& row, const Token* topk, int6
 // Forgets the resident tokens at or beyond the stable length (a speculative suffix that may
 // have been overwritten in the host pool): slot tokens and the order's entries both say -1;
 // the slots stay where they are in the order. O(C), and only run when max_resident says some
-// token may be that far. `unused` (window entries about to move to the deep log) is updated
-// too. The caller checked every entry's slot.
-inline void drop_speculative(RowState& row, int64_t stable_len, int64_t* unused,
-                             int64_t num_unused) {
+// token may be that far. The window's entries are forgotten too (its hits hold tokens below
+// the stable length: unchanged). The caller checked every entry's slot.
+inline void drop_speculative(RowState& row, int64_t stable_len) {
   int64_t largest = -1;
   for (int64_t slot = 0; slot < row.capacity; ++slot) {
     const int64_t token = row.tokens[slot];
@@ -326,7 +320,7 @@ inline void drop_speculative(RowState& row, int64_t stable_len, int64_t* unused,
     int64_t& entry = lru.deep_at(p);
     if (entry != kTombstone) entry = forget(entry);
   }
-  for (int64_t i = 0; i < num_unused; ++i) unused[i] = forget(unused[i]);
+  for (int64_t i = 0; i < lru.window_len(); ++i) lru.window[i] = forget(lru.window[i]);
 }
 
 // Steady update: hits keep their slot, misses take the evictable slots in LRU order; the new
@@ -353,63 +347,66 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   const int window_index_shift = s.window_index_shift;
 
   // 1. Index the window (reading it front to back) and check that its entries name slots.
+  //    (Each loop of a step keeps its own accumulators: one live across the whole step is
+  //    spilled to the stack, and its read-modify-write there serialises the loop.)
   uint64_t bad = 0;
-  for (int64_t i = 0; i < window_len; ++i) {
-    const int64_t entry = window[i];
-    bad |= (static_cast<uint64_t>(entry) >> 63) |
-           static_cast<uint64_t>(packed_slot(entry) >= capacity);
-    window_index[window_cell(packed_token(entry), window_index_shift)] = static_cast<int32_t>(i);
+  {
+    uint64_t bad_window = 0;
+    for (int64_t i = 0; i < window_len; ++i) {
+      const int64_t entry = window[i];
+      bad_window |= (static_cast<uint64_t>(entry) >> 63) |
+                    static_cast<uint64_t>(packed_slot(entry) >= capacity);
+      window_index[window_cell(packed_token(entry), window_index_shift)] =
+          static_cast<int32_t>(i);
+    }
+    bad = bad_window;
   }
 
   // 2. Every position: a valid token the window holds is a hit (unless it is at or past the
   //    stable length: about to be dropped); the other valid ones are slow.
-  uint8_t* __restrict is_slow = s.is_slow.data();
   const WindowLookup lookup{window_index, window_index_shift, window,
                             static_cast<uint64_t>(lru.window_size - 1),
                             std::min({limit, stable_len, kTokenLimit}), limit};
-  look_up_window(lookup, topk, width, out_slots, window_hit, is_slow);
   int64_t* __restrict slow = s.slow.data();
-  int64_t num_slow = 0;
-  for (int64_t k = 0; k < width; ++k) {
-    slow[num_slow] = k;
-    num_slow += is_slow[k];
-  }
+  const int64_t num_slow = look_up_window(lookup, topk, width, out_slots, window_hit, slow);
 
   // 3. The slow tokens, each once, into the scratch hash and its filter.
   int64_t* __restrict slow_cells = s.slow_cells.data();
   for (int64_t j = 0; j < num_slow; ++j) slow_cells[j] = s.add(topk[slow[j]]);
   int64_t* __restrict cell_slot = s.cell_slot.data();
 
-  // 4. One pass over the window: entries step 2 hit, and entries holding a slow token (the
-  //    window index lost them to a collision), are hits; the rest is unused.
-  int64_t* __restrict window_hits = s.window_hits.data();
-  int64_t* __restrict unused = s.unused.data();
-  int64_t num_window_hits = 0;
-  int64_t num_unused = 0;
-  int64_t window_found = 0;  // slow tokens found in the window
+  // 4. One pass over the window: entries step 2 hit are hits (counted); an entry it did not
+  //    hit whose token may be slow (the filter says so) is a suspect. A suspect holding a
+  //    slow token (the window index lost it to a collision) is a hit too. The loop has no
+  //    branch and no store but the suspect's (a rare path inside it cost every entry a
+  //    register spill); the window is split into hits and unused entries in step 8, where
+  //    they go.
+  int64_t* __restrict suspects = s.filtered.data();  // free until step 5
   const uint64_t* __restrict filter = s.filter.data();
   const uint64_t filter_mask = s.filter_mask;
   const auto stable_u = static_cast<uint64_t>(stable_len);
+  int64_t num_window_hits = 0;  // window entries holding a hit
+  int64_t num_suspects = 0;
   for (int64_t i = 0; i < window_len; ++i) {
-    const int64_t entry = window[i];
-    uint64_t hit = window_hit[i];
-    const auto token = static_cast<uint64_t>(packed_token(entry));
+    const uint64_t hit = window_hit[i];
+    const auto token = static_cast<uint64_t>(packed_token(window[i]));
     const uint64_t bit = token & filter_mask;
-    if (((hit ^ 1) & static_cast<uint64_t>(token < stable_u) & (filter[bit >> 6] >> (bit & 63))) !=
-        0) {
-      const int64_t cell = s.find(static_cast<int64_t>(token));  // rare: a collision's loser
-      if (cell >= 0) {
-        cell_slot[cell] = packed_slot(entry);
-        hit = 1;
-        window_hit[i] = 1;
-        ++window_found;
-      }
-    }
-    window_hits[num_window_hits] = entry;
-    unused[num_unused] = entry;
+    suspects[num_suspects] = i;
+    num_suspects += static_cast<int64_t>((hit ^ 1) & static_cast<uint64_t>(token < stable_u) &
+                                         (filter[bit >> 6] >> (bit & 63)));
     num_window_hits += static_cast<int64_t>(hit);
-    num_unused += static_cast<int64_t>(hit ^ 1);
   }
+  int64_t window_found = 0;  // slow tokens found in the window
+  for (int64_t j = 0; j < num_suspects; ++j) {
+    const int64_t i = suspects[j];
+    const int64_t cell = s.find(packed_token(window[i]));
+    if (cell >= 0) {
+      cell_slot[cell] = packed_slot(window[i]);
+      window_hit[i] = 1;
+      ++window_found;
+    }
+  }
+  num_window_hits += window_found;
 
   // 5. One pass over the deep log: entries holding a slow token are hits; the others, from
   //    the head, are the candidate victims (no more are needed than there are slow tokens
@@ -500,21 +497,9 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
     s.clear_tokens();
     return kCorruptOrder;
   }
-  if (window_from > 0) {  // the walk took the window's head: keep only the rest of it
-    num_window_hits = 0;
-    num_unused = 0;
-    for (int64_t i = window_from; i < window_len; ++i) {
-      const int64_t entry = window[i];
-      const uint64_t hit = window_hit[i];
-      window_hits[num_window_hits] = entry;
-      unused[num_unused] = entry;
-      num_window_hits += static_cast<int64_t>(hit);
-      num_unused += static_cast<int64_t>(hit ^ 1);
-    }
-  }
 
   // 7. Everything is checked: change the row. Drop the speculative suffix, then fill.
-  if (stable_len <= row.max_resident()) drop_speculative(row, stable_len, unused, num_unused);
+  if (stable_len <= row.max_resident()) drop_speculative(row, stable_len);
   int64_t largest = row.max_resident();
   {  // the victims' token lines, with loads nothing waits on (they are cold, and scattered)
     uint64_t sum = 0;
@@ -544,20 +529,36 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   while (first_ahead < num_deep_hits && deep_hits[first_ahead].position < walk_end) {
     next[length++] = deep_hits[first_ahead++].entry;
   }
+  int64_t hits_walked = 0;  // window hits among the entries the walk took
   for (int64_t i = 0; i < window_from; ++i) {
     next[length] = window[i];
     length += window_hit[i];
+    hits_walked += window_hit[i];
   }
   for (int64_t i = first_ahead; i < num_deep_hits; ++i) next[length++] = deep_hits[i].entry;
-  std::copy(window_hits, window_hits + num_window_hits, next + length);
-  length += num_window_hits;
 
   lru.head() = walk_end;
   for (int64_t i = first_ahead; i < num_deep_hits; ++i) {
     lru.deep_at(deep_hits[i].position) = kTombstone;
   }
-  if (lru.tail() - lru.head() + num_unused > lru.deep_size) lru.compact();
-  for (int64_t i = 0; i < num_unused; ++i) lru.push_deep(unused[i]);
+  const int64_t num_unused = (window_len - window_from) - (num_window_hits - hits_walked);
+  // At least one free position past the log once the unused entries are in (when the new
+  // window holds anything): the split below writes every entry there before it decides.
+  if (lru.tail() - lru.head() + num_unused >= lru.deep_size) lru.compact();
+  {  // The rest of the window, split: hits to the new window, the others to the deep log.
+    int64_t* __restrict deep = lru.deep;
+    const auto deep_mask = static_cast<uint64_t>(lru.deep_size - 1);
+    uint64_t deep_tail = static_cast<uint64_t>(lru.tail());
+    for (int64_t i = window_from; i < window_len; ++i) {
+      const int64_t entry = window[i];
+      const uint64_t hit = window_hit[i];
+      next[length] = entry;
+      deep[deep_tail & deep_mask] = entry;
+      length += static_cast<int64_t>(hit);
+      deep_tail += hit ^ 1;
+    }
+    lru.tail() = static_cast<int64_t>(deep_tail);
+  }
 
   clear_marks();
   std::copy(next, next + length, window);

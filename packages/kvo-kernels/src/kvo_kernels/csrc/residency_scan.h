@@ -44,9 +44,11 @@ inline bool use_avx2() {
 
 // Where the selected tokens are in the window. For every position k: a token in [0,
 // hit_limit) whose window entry (found through `window_index`) holds it is a hit:
-// slots[k] = its slot and window_hit[its window position] = 1; otherwise slots[k] = -1 and
-// is_slow[k] says whether the token is valid ([0, limit)). Masks, not conditionals, keep
-// the portable loop free of branches.
+// slots[k] = its slot and window_hit[its window position] = 1; otherwise slots[k] = -1 and,
+// if the token is valid ([0, limit)), k is appended to `slow`. Returns how many were.
+// Masks, not conditionals, keep the loop free of branches. (Measured here: appending to
+// `slow` in this loop beats a second pass over per-position flags; marking through a
+// conditional address instead of the read-modify-write is slower.)
 struct WindowLookup {
   const int32_t* window_index;
   int shift;
@@ -57,11 +59,12 @@ struct WindowLookup {
 };
 
 template <typename Token>
-inline void look_up_window(const WindowLookup& w, const Token* __restrict topk,
-                           int64_t width, int32_t* __restrict slots,
-                           uint8_t* __restrict window_hit, uint8_t* __restrict is_slow) {
+inline int64_t look_up_window(const WindowLookup& w, const Token* __restrict topk,
+                              int64_t width, int32_t* __restrict slots,
+                              uint8_t* __restrict window_hit, int64_t* __restrict slow) {
   const auto hit_limit = static_cast<uint64_t>(w.hit_limit);
   const auto limit = static_cast<uint64_t>(w.limit);
+  int64_t num_slow = 0;
   for (int64_t k = 0; k < width; ++k) {
     const int64_t token = topk[k];
     const uint64_t at =
@@ -71,9 +74,11 @@ inline void look_up_window(const WindowLookup& w, const Token* __restrict topk,
                          static_cast<uint64_t>(packed_token(entry) == token);
     slots[k] = static_cast<int32_t>(packed_slot(entry) | static_cast<int64_t>(hit - 1));
     window_hit[at] |= static_cast<uint8_t>(hit);
-    is_slow[k] = static_cast<uint8_t>(static_cast<uint64_t>(static_cast<uint64_t>(token) < limit) &
-                                      (hit ^ 1));
+    slow[num_slow] = k;
+    num_slow += static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint64_t>(token) < limit) &
+                                     (hit ^ 1));
   }
+  return num_slow;
 }
 
 // The indices i in [begin, end) of `entries` whose token may be one of the slow tokens: in
@@ -126,10 +131,54 @@ __attribute__((target("avx2"))) inline int64_t filter_avx2(
 }
 #endif
 
+#ifdef KVO_RESIDENCY_AVX2
+// Eight entries at a time: the filter words gathered, the passing indices compressed out.
+__attribute__((target("avx512f"))) inline int64_t filter_avx512(
+    const int64_t* __restrict entries, int64_t begin, int64_t end,
+    const uint64_t* __restrict filter, uint64_t filter_mask, int64_t token_bound,
+    int64_t* __restrict found) {
+  const __m512i mask = _mm512_set1_epi64(static_cast<int64_t>(filter_mask));
+  const __m512i bit_in_word = _mm512_set1_epi64(63);
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i bound = _mm512_set1_epi64(token_bound);
+  __m512i index = _mm512_add_epi64(_mm512_set1_epi64(begin),
+                                   _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i eight = _mm512_set1_epi64(8);
+  int64_t count = 0;
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m512i entry = _mm512_loadu_si512(entries + i);
+    // Logical shift: tombstones and empty entries become >= 2**43 >= token_bound.
+    const __m512i token = _mm512_srli_epi64(entry, kSlotBits);
+    const __m512i bit = _mm512_and_si512(token, mask);
+    const __m512i word = _mm512_i64gather_epi64(_mm512_srli_epi64(bit, 6), filter, 8);
+    const __m512i shifted = _mm512_srlv_epi64(word, _mm512_and_si512(bit, bit_in_word));
+    const __mmask8 pass = _mm512_mask_test_epi64_mask(
+        _mm512_cmplt_epu64_mask(token, bound), shifted, one);
+    _mm512_mask_compressstoreu_epi64(found + count, pass, index);
+    count += __builtin_popcount(pass);
+    index = _mm512_add_epi64(index, eight);
+  }
+  return count + filter_portable(entries, i, end, filter, filter_mask, token_bound,
+                                 found + count);
+}
+
+inline bool use_avx512() {
+  static const bool enabled = [] {
+    const char* scalar = std::getenv("KVO_RESIDENCY_SCALAR");
+    return __builtin_cpu_supports("avx512f") && !(scalar != nullptr && scalar[0] == '1');
+  }();
+  return enabled;
+}
+#endif
+
 inline int64_t filter_entries(const int64_t* entries, int64_t begin, int64_t end,
                               const uint64_t* filter, uint64_t filter_mask, int64_t token_bound,
                               int64_t* found) {
 #ifdef KVO_RESIDENCY_AVX2
+  if (use_avx512()) {
+    return filter_avx512(entries, begin, end, filter, filter_mask, token_bound, found);
+  }
   if (use_avx2()) {
     return filter_avx2(entries, begin, end, filter, filter_mask, token_bound, found);
   }
