@@ -34,6 +34,7 @@ from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, Prot
 from kvo_transport.prefill_side import HandshakeRejectedError, PrefillPublisher
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
+    Fence,
     FrameDecoder,
     HandshakeAnswer,
     MfMeta,
@@ -311,7 +312,8 @@ def test_transient_pull_failure_succeeds_on_retry(engine, source, buffers, closi
     assert pop_until(tracker, "r") == ({"r"}, {})
     finished, failed, invalid, _, reads = decode.wait_terminal(["r"])
     assert finished == ["r"] and failed == {} and invalid["r"] == ([], [])
-    assert reads == GEOMETRY.layers + 1  # one failed attempt, then one read per layer
+    # One failed attempt, then per layer the data read and its fence read.
+    assert reads == 2 * GEOMETRY.layers + 1
     for layer in range(GEOMETRY.layers):
         for src, dst in ((4, 6), (5, 2)):
             assert block_bytes(dest, layer, "main", dst) == block_bytes(source, layer, "main", src)
@@ -339,7 +341,8 @@ def test_pull_failing_past_its_retries_reports_read_failed(engine, source, buffe
     assert "r" in failed and not finished
     finished, failed, invalid, _, reads = decode.wait_terminal(["r"])
     assert finished == [] and "layer 0" in failed["r"]
-    assert invalid["r"] == ([2, 6], [2, 6]) and reads == 3
+    # Layer 0: two failed attempts; layer 1: its data read and its fence read.
+    assert invalid["r"] == ([2, 6], [2, 6]) and reads == 4
 
 
 @settings(max_examples=40, deadline=None,
@@ -388,7 +391,8 @@ def decode_for_garbage(engine) -> Iterator[tuple[DecodeProcess, PrefillPublisher
             fresh.connect(decode.endpoint)
             fresh.send(encode(ReadReadyBatch(version=PROTOCOL_VERSION, seq=5, layer_index=0,
                                            layer_name="x", member=0, ratio=1, requests=(
-                                               ReadyRequest("q", 0, 1, (0,)),))))
+                                               ReadyRequest("q", 0, 1, (0,)),),
+                                           fences=(Fence(word=0, epoch=0),))))
             reply = fresh.poll(int(WAIT * 1000))
             assert reply, "a READY without handshake got no answer"
             answer = FrameDecoder().decode(fresh.recv())

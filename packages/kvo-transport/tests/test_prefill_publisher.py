@@ -8,6 +8,7 @@ import pytest
 
 from kvo_core.errors import ConfigError
 from kvo_core.gates import SlotGates
+from kvo_transport.fence import FenceWords
 from kvo_transport.prefill_side import PrefillPublisher, PublisherClosedError
 from kvo_transport.protocol import MAX_REQUESTS_PER_BATCH, LayerMeta, ReadyRequest, TensorGroup
 
@@ -19,7 +20,7 @@ LAYERS = [LayerMeta(index=i, name=f"layers.{i}",
 def publisher(**overrides) -> PrefillPublisher:
     options = dict(engine_session_id="127.0.0.1:1", backend="mooncake", transfer_protocol="tcp",
                    instance_id="p", prefill_tp=4, p_rank=1, decode_tp=2, layers=LAYERS,
-                   gates=SlotGates())
+                   gates=SlotGates(), fences=FenceWords(64))
     return PrefillPublisher(**{**options, **overrides})
 
 

@@ -15,7 +15,9 @@ from kvo_transport.protocol import (
     MAX_REASON_CHARS,
     MAX_REQUESTS_PER_BATCH,
     MAX_TENSORS_PER_GROUP,
+    MAX_FENCE_WORDS,
     PROTOCOL_VERSION,
+    Fence,
     FrameDecoder,
     HandshakeAnswer,
     LayerMeta,
@@ -70,7 +72,8 @@ def mf_metas(draw: st.DrawFn) -> MfMeta:
     return MfMeta(version=V, instance_id=draw(ids), engine_session_id=draw(ids),
                   backend=draw(names), transfer_protocol=draw(names), p_tp_size=p_tp,
                   p_rank=p_rank, member=p_rank % ratio, ratio=ratio, d_rank=p_rank // ratio,
-                  layers=layers)
+                  layers=layers, fence_addr=draw(st.integers(1, 1 << 62)),
+                  fence_words=draw(st.integers(1, 1 << 20)))
 
 
 @st.composite
@@ -82,9 +85,12 @@ def ready_batches(draw: st.DrawFn) -> ReadReadyBatch:
                                   indexer_block_ids=draw(block_ids)) for r in request_ids)
     ratio = draw(st.integers(1, 8))
     last = tuple(r for r in request_ids if draw(st.booleans()))
+    fences = tuple(Fence(word=draw(st.integers(0, 1 << 20)), epoch=draw(counts))
+                   for _ in range(len(requests) + 1))
     return ReadReadyBatch(version=V, seq=draw(counts), layer_index=draw(st.integers(0, 1023)),
                           layer_name=draw(names), member=draw(st.integers(0, ratio - 1)),
-                          ratio=ratio, requests=requests, last_layer_request_ids=last)
+                          ratio=ratio, requests=requests, last_layer_request_ids=last,
+                          fences=fences)
 
 
 messages = st.one_of(
@@ -194,7 +200,8 @@ def _group(n: int = 1) -> dict:
 def _meta(**fields) -> dict:
     return {"type": "MF_META", "instance_id": "i", "engine_session_id": "s", "backend": "b",
             "transfer_protocol": "t", "p_tp_size": 1, "p_rank": 0, "member": 0, "ratio": 1,
-            "d_rank": 0, "layers": [{"index": 0, "name": "l", "main": _group()}], **fields}
+            "d_rank": 0, "layers": [{"index": 0, "name": "l", "main": _group()}],
+            "fence_addr": 4096, "fence_words": 8, **fields}
 
 
 BAD_FRAMES = [
@@ -216,6 +223,12 @@ BAD_FRAMES = [
     (_raw(**_batch(requests=[_request("a")], last_layer_request_ids=["b"])),
      "not requests of this batch"),
     (_raw(**_batch(member=2, ratio=2)), "member 2 is not below ratio 2"),
+    (_raw(**_batch(requests=[_request("a")])), "carries no fence"),
+    (_raw(**_batch(requests=[_request("a")], fences=[[MAX_FENCE_WORDS, 0]])),
+     f"<= {MAX_FENCE_WORDS - 1}"),
+    (_raw(**_meta(fence_words=0)), ">= 1"),
+    (_raw(**{k: v for k, v in _meta().items() if k != "fence_addr"}),
+     "missing required field `fence_addr`"),
     (_raw(**_batch(seq="1")), "Expected `int`, got `str`"),
     (_raw(**_meta(p_rank=1)), "p_rank 1 is not below p_tp_size 1"),
     (_raw(**_meta(layers=[{"index": 1, "name": "l", "main": _group()}])), "layer indices"),

@@ -10,6 +10,7 @@ from kvo_core.errors import ConfigError
 from kvo_core.tp import indexer_block_range
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
+    Fence,
     LayerMeta,
     MfMeta,
     ReadReadyBatch,
@@ -59,14 +60,15 @@ def dest_layer(num_blocks: int = 40, scale: int = 1, indexer: bool = True,
 def meta(layers: tuple[LayerMeta, ...], **fields) -> MfMeta:
     values = dict(version=PROTOCOL_VERSION, instance_id="p", engine_session_id="s",
                   backend="mooncake", transfer_protocol="tcp", p_tp_size=1, p_rank=0, member=0,
-                  ratio=1, d_rank=0, layers=layers)
+                  ratio=1, d_rank=0, layers=layers, fence_addr=1 << 20, fence_words=8)
     return MfMeta(**{**values, **fields})
 
 
 def batch(*requests: ReadyRequest, member: int = 0, ratio: int = 1,
           name: str = "layers.0") -> ReadReadyBatch:
     return ReadReadyBatch(version=PROTOCOL_VERSION, seq=1, layer_index=0, layer_name=name,
-                          member=member, ratio=ratio, requests=requests)
+                          member=member, ratio=ratio, requests=requests,
+                          fences=(Fence(word=0, epoch=0),) if requests else ())
 
 
 def check(m: MfMeta, layout: DecodeLayout | None = None, **kwargs) -> str | None:

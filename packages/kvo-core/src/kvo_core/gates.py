@@ -32,6 +32,11 @@ Decisions, so callers can rely on them:
   latency path of every slot round. One waiter pumps at a time; the others sleep as usual, and
   a report from any other thread interrupts the pump so the pumping waiter sees it at once.
   The pump is only a shortcut: the transport must report on its own when nobody pumps.
+- A ``SlotFence`` may be attached (``attach_fence``): the transport's epoch words. When a round
+  ends with a failure (a reader failed, missed its deadline, or a waiter gave up on it), the
+  fence advances the slot's epoch before any waiter is woken, so a reader still running can
+  never have its read of the old content accepted once the slot is overwritten. This is the one
+  place every slot reuse passes through: a slot is only overwritten after its round ended.
 
 Request completion (``RequestCompletionTracker``) is separate: it decides when a request's
 transfers are over, not when memory may be reused.
@@ -66,6 +71,14 @@ class GatePump(Protocol):
 
     def interrupt(self) -> None:
         """Make a ``pump`` call running in another thread return soon."""
+        ...
+
+
+class SlotFence(Protocol):
+    """Epoch words guarding slots against readers that are still running (kvo_transport.fence)."""
+
+    def advance(self, key: SlotKey) -> None:
+        """Readers of the slot's current content must now fail their fence check."""
         ...
 
 
@@ -120,6 +133,15 @@ class SlotGates:
         self._rounds: dict[SlotKey, _Round] = {}
         self._pump: GatePump | None = None
         self._pumping_thread: int | None = None
+        self._fence: SlotFence | None = None
+
+    def attach_fence(self, fence: SlotFence | None) -> None:
+        """Advance ``fence`` for a slot whose round fails, before its waiters wake (None
+        detaches). One fence per table."""
+        with self._changed:
+            if fence is not None and self._fence is not None and self._fence is not fence:
+                raise GateStateError("a slot fence is already attached; detach it first")
+            self._fence = fence
 
     def attach_pump(self, pump: GatePump | None) -> None:
         """Let waiters drive ``pump`` while they wait (None detaches). One pump per table."""
@@ -162,6 +184,8 @@ class SlotGates:
                 return False
             current.pending.discard(part)
             if error is not None and current.error is None:
+                if self._fence is not None:  # before any waiter may overwrite the slot
+                    self._fence.advance(key)
                 current.error = error
                 current.failed_part = part
             self._changed.notify_all()

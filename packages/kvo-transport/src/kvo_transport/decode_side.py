@@ -6,6 +6,11 @@ in the order it published them, so when its last layer for a request is done eve
 layer is done too. A frame that does not decode is logged and dropped; a READY that fails a
 check, or whose pull still fails after the configured retries, is answered READ_FAILED and its
 destination blocks are reported invalid, so nothing partially written is ever taken as valid.
+
+After every successful data read the READY's fences are checked (kvo_transport.fence): the
+prefill's epoch words are read through the same engine and must still hold the READY's epochs;
+a moved word means the source was reused while it was read, and the layer fails like a failed
+read. Only then is READ_DONE sent.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvo_core.gates import RequestCompletionTracker
 from kvo_core.tp import TPMapping
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import ProtocolError, TransferError
+from kvo_transport.fence import FenceReader
 from kvo_transport.frame_auth import (
     DecodeSessions,
     FrameRejectedError,
@@ -36,6 +42,7 @@ from kvo_transport.frame_auth import (
     require_secret_beyond_loopback,
 )
 from kvo_transport.protocol import (
+    MAX_FENCES_PER_BATCH,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -142,6 +149,9 @@ class DecodeReceiver:
         self._decoder = FrameDecoder(max_frame_bytes)
         self._backend = engine.backend
         self._transfer_protocol = engine.protocol
+        self._fence_reader = FenceReader(engine, MAX_FENCES_PER_BATCH)
+        self.stale_reads = 0
+        """Reads whose fence showed the source reused meanwhile (refused, for tests/metrics)."""
 
         self._lock = threading.Lock()
         self._sessions: dict[bytes, _Session] = {}
@@ -166,6 +176,7 @@ class DecodeReceiver:
         except zmq.ZMQError as exc:
             self._router.close()
             self._context.term()
+            self._fence_reader.close()
             raise ControlSocketError(f"cannot bind the decode control socket on "
                                      f"{host}:{port}: {exc}") from exc
         self.endpoint = f"tcp://{host}:{port}"
@@ -205,6 +216,7 @@ class DecodeReceiver:
         for socket in (self._wake_out, self._wake_in, self._monitor, self._router):
             socket.close(linger=0)
         self._context.term()
+        self._fence_reader.close()
 
     def __enter__(self) -> DecodeReceiver:
         return self.start()
@@ -413,6 +425,8 @@ class DecodeReceiver:
                              f"internal error on decode: {exc!r}", started)
             return
         error = self._pull(session, batch, plan)
+        if error is None and plan.lengths:
+            error = self._check_fences(session, batch)
         if error is not None:
             self._fail_layer(identity, session, batch, targets, error, started)
             return
@@ -435,6 +449,10 @@ class DecodeReceiver:
         if batch.layer_index >= len(meta.layers):
             raise ReadRejected(f"layer {batch.layer_index} is out of range: the session has "
                                f"{len(meta.layers)} layers")
+        outside = [f.word for f in batch.fences if f.word >= meta.fence_words]
+        if outside:
+            raise ReadRejected(f"fence word(s) {_preview(outside)} are outside the prefill's "
+                               f"{meta.fence_words} epoch words")
         return plan_layer_read(meta.layers[batch.layer_index],
                                self._layout.layers[batch.layer_index], batch, targets.get)
 
@@ -467,6 +485,18 @@ class DecodeReceiver:
                 return f"read from {peer} raised {exc!r}"
         return (f"read of {plan.total_bytes} bytes in {len(plan.lengths)} descriptors from "
                 f"{peer} failed after {attempts} attempt(s): {last}")
+
+    def _check_fences(self, session: _Session, batch: ReadReadyBatch) -> str | None:
+        """After the data read: the reason to refuse it if the source may have been reused."""
+        meta = session.meta
+        try:
+            stale = self._fence_reader.stale(meta.engine_session_id, meta.fence_addr,
+                                             batch.fences)
+        except TransferError as exc:
+            return f"fence: the epoch words could not be read after the data read: {exc}"
+        if stale is not None:
+            self.stale_reads += 1
+        return stale
 
     def _fail_layer(self, identity: bytes, session: _Session, batch: ReadReadyBatch,
                     targets: dict[str, RequestDestination | None], reason: str,

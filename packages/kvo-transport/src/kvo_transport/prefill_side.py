@@ -10,6 +10,12 @@ buffer may be reused once every reader answered) and into ``RequestCompletionTra
 comes (lost, or the decode died) fails the slot with LayerDeadlineError instead of hanging the
 prefill forever.
 
+Fences (kvo_transport.fence): every READY carries the epoch of each word guarding its source:
+the slot's word (advanced by the slot gates when a round fails, before the slot can be reused;
+the publisher attaches its words to the gates it is given) and each request's lease word
+(advanced when a READY of the request fails, and by ``release`` when the request's blocks go
+back to their allocator). The decode checks the words after its read and refuses a changed one.
+
 The publisher is also a ``kvo_core.gates.GatePump``: a thread waiting on a slot gate may handle
 the answers itself (``pump``). While it does, the sockets are taken out of the I/O thread's
 epoll set, so only one thread wakes per answer; that removes the I/O thread -> waiter hand-off
@@ -36,6 +42,7 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, ProtocolError
+from kvo_transport.fence import FenceWords
 from kvo_transport.frame_auth import (
     OVERHEAD,
     AuthCounters,
@@ -52,6 +59,7 @@ from kvo_transport.protocol import (
     MAX_ID_CHARS,
     MAX_REQUESTS_PER_BATCH,
     PROTOCOL_VERSION,
+    Fence,
     FrameDecoder,
     HandshakeAnswer,
     LayerMeta,
@@ -124,6 +132,7 @@ class _Pending:
     request_ids: tuple[str, ...]
     sent_at: float
     deadline: float
+    lease_words: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -140,7 +149,8 @@ class PrefillPublisher:
     """One prefill rank's side of the control plane (see the module docstring).
 
     ``layers`` describe this rank's exposed buffers (MF_META); ``gates`` is the slot-gate
-    table the layer pipeline waits on; ``tracker`` (optional) receives per-request completion
+    table the layer pipeline waits on (``fences`` is attached to it when it takes a fence);
+    ``fences`` are this rank's epoch words, registered with its engine; ``tracker`` (optional) receives per-request completion
     under the part name ``request_part`` (expected automatically unless ``auto_expect`` is
     False, in which case the caller expects it together with its own parts).
     ``control_secret`` (else ``$KVO_CONTROL_SECRET``) authenticates every frame (frame_auth);
@@ -149,7 +159,7 @@ class PrefillPublisher:
 
     def __init__(self, *, engine_session_id: str, backend: str, transfer_protocol: str,
                  instance_id: str, prefill_tp: int, p_rank: int, decode_tp: int,
-                 layers: Sequence[LayerMeta], gates: SlotGates,
+                 layers: Sequence[LayerMeta], gates: SlotGates, fences: FenceWords,
                  tracker: RequestCompletionTracker | None = None,
                  handshake_timeout_s: float = 100.0, layer_deadline_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, request_part: str = "remote-read",
@@ -166,7 +176,8 @@ class PrefillPublisher:
                            engine_session_id=engine_session_id, backend=backend,
                            transfer_protocol=transfer_protocol, p_tp_size=prefill_tp,
                            p_rank=p_rank, member=self.member, ratio=self.mapping.ratio,
-                           d_rank=self.mapping.decode_rank(p_rank), layers=self.layers)
+                           d_rank=self.mapping.decode_rank(p_rank), layers=self.layers,
+                           fence_addr=fences.address, fence_words=fences.capacity)
         self._meta_frame = encode(self.meta)
         try:  # what the decode would refuse is refused here, naming the problem
             FrameDecoder().decode(self._meta_frame)
@@ -177,6 +188,11 @@ class PrefillPublisher:
         self._max_frame_bytes = max_frame_bytes
         self._decoder = FrameDecoder(max_frame_bytes)
         self._gates = gates
+        self.fences = fences
+        self._own_fences = False
+        attach_fence = getattr(gates, "attach_fence", None)
+        if attach_fence is not None:  # a slot round that fails advances the slot's word
+            attach_fence(fences)
         self._tracker = tracker
         self._request_part = request_part
         self._auto_expect = auto_expect
@@ -209,9 +225,20 @@ class PrefillPublisher:
 
     @classmethod
     def for_engine(cls, engine: TransferEngine, **kwargs: object) -> PrefillPublisher:
-        """A publisher whose session id, backend and protocol come from ``engine``."""
-        return cls(engine_session_id=engine.session_id, backend=engine.backend,
-                   transfer_protocol=engine.protocol, **kwargs)  # type: ignore[arg-type]
+        """A publisher whose session id, backend and protocol come from ``engine``; without
+        ``fences`` it makes (and closes) its own, registered with ``engine``."""
+        own = "fences" not in kwargs
+        if own:
+            kwargs["fences"] = FenceWords(engine=engine)
+        try:
+            publisher = cls(engine_session_id=engine.session_id, backend=engine.backend,
+                            transfer_protocol=engine.protocol, **kwargs)  # type: ignore[arg-type]
+        except BaseException:
+            if own:
+                kwargs["fences"].close()  # type: ignore[attr-defined]
+            raise
+        publisher._own_fences = own
+        return publisher
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -335,18 +362,22 @@ class PrefillPublisher:
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
         peers = {endpoint: self._connect(endpoint) for endpoint in requests_by_endpoint}
-        frames: list[tuple[_Peer, int, bytes, tuple[str, ...]]] = []
+        frames: list[tuple[_Peer, int, bytes, tuple[str, ...], tuple[int, ...]]] = []
+        slot_word = self.fences.slot_word(slot_key)
         with self._lock:
             self._check_open()
             for endpoint, requests in requests_by_endpoint.items():
                 peer = peers[endpoint]
                 seq = next(self._seqs)
                 ids = tuple(r.request_id for r in requests)
+                leases = tuple(self.fences.lease(i) for i in dict.fromkeys(ids))
+                fences = tuple(Fence(word=w, epoch=self.fences.epoch(w))
+                               for w in (slot_word, *leases))
                 batch = ReadReadyBatch(
                     version=PROTOCOL_VERSION, seq=seq, layer_index=layer_index,
                     layer_name=layer.name, member=self.member, ratio=self.mapping.ratio,
                     requests=tuple(requests),
-                    last_layer_request_ids=tuple(i for i in ids if i in last))
+                    last_layer_request_ids=tuple(i for i in ids if i in last), fences=fences)
                 frame = encode(batch)
                 limit = self._frame_limit(peer)
                 size = len(frame) + (OVERHEAD if self._control_key is not None else 0)
@@ -356,29 +387,30 @@ class PrefillPublisher:
                         f"over the frame limit of {limit} (this rank: "
                         f"{self._max_frame_bytes}, the decode: {_decode_limit(peer)}); "
                         f"publish fewer requests per batch")
-                frames.append((peer, seq, frame, ids))
-        parts = {peer.endpoint: _part_name(peer.endpoint, seq) for peer, seq, _, _ in frames}
+                frames.append((peer, seq, frame, ids, leases))
+        parts = {peer.endpoint: _part_name(peer.endpoint, seq) for peer, seq, *_ in frames}
         self._gates.close(slot_key, [*parts.values(), *extra_parts])
         now = time.monotonic()
         with self._lock:
-            for peer, seq, _, ids in frames:
+            for peer, seq, _, ids, leases in frames:
                 self._pending[(peer.endpoint, seq)] = _Pending(
                     endpoint=peer.endpoint, seq=seq, layer_index=layer_index,
                     layer_name=layer.name, slot_key=slot_key, part=parts[peer.endpoint],
-                    request_ids=ids, sent_at=now, deadline=now + deadline_s)
+                    request_ids=ids, sent_at=now, deadline=now + deadline_s,
+                    lease_words=leases)
                 if now + deadline_s < self._io_sleep_until:
                     self._wake()  # the I/O thread sleeps past this deadline: tell it
                     self._io_sleep_until = now
                 heapq.heappush(self._deadlines, (now + deadline_s, peer.endpoint, seq))
                 for request_id in ids:
                     self._note_request(request_id, request_id in last)
-        for peer, seq, frame, ids in frames:
+        for peer, seq, frame, ids, _ in frames:
             self._send(peer.connection, frame)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("prefill %s: READY layer %d (%s) seq %d -> %s, requests %s",
                           self._label, layer_index, layer.name, seq, peer.endpoint, list(ids))
         return PublishedLayer(layer_index=layer_index, slot_key=slot_key,
-                              seqs={peer.endpoint: seq for peer, seq, _, _ in frames},
+                              seqs={peer.endpoint: seq for peer, seq, *_ in frames},
                               parts=parts)
 
     def _frame_limit(self, peer: _Peer) -> int:
@@ -396,9 +428,16 @@ class PrefillPublisher:
         sends.last_published = sends.last_published or is_last
 
     def forget(self, request_id: str) -> None:
-        """Stop tracking a request (e.g. it was aborted before its last layer)."""
+        """Stop tracking a request (e.g. it was aborted before its last layer); its blocks
+        may be reused from now on (``release``)."""
         with self._lock:
             self._requests.pop(request_id, None)
+        self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request's source blocks go back to their allocator: a read still running
+        against them fails its fence. Call it before they can be overwritten."""
+        self.fences.release(request_id)
 
     # -- close ------------------------------------------------------------------------------------
 
@@ -421,6 +460,8 @@ class PrefillPublisher:
             self._finish(item, PublisherClosedError(
                 f"publisher of {self._label} closed before {item.endpoint} answered layer "
                 f"{item.layer_index} seq {item.seq}"))
+        if self._own_fences:
+            self.fences.close()
         with self._pump_lock:  # a pump still running in another thread ends first
             for fd in (self._wake_read, self._wake_write, self._interrupt_read,
                        self._interrupt_write):
@@ -694,7 +735,13 @@ class PrefillPublisher:
                       "deadline", self._label, len(behind), ", ".join(sorted(late)))
 
     def _finish(self, item: _Pending, error: str | BaseException | None) -> None:
-        """Report one READY's outcome to the slot gate and to its requests."""
+        """Report one READY's outcome to the slot gate and to its requests.
+
+        A READY that ends without READ_DONE may still be read: its requests' words advance
+        first, so whoever frees their blocks on this report frees them fenced.
+        """
+        if error is not None:
+            self.fences.advance_words(item.lease_words)
         if error is None:
             self._gates.mark_done(item.slot_key, item.part)
         else:
@@ -716,6 +763,7 @@ class PrefillPublisher:
                 if not sends.reported and (sends.error is not None or sends.last_published):
                     sends.reported = True
                     reports.append((request_id, sends.error))
+                    self.fences.release(request_id)  # nothing of it is read any more
                 if sends.last_published:
                     del self._requests[request_id]
         if self._tracker is None:

@@ -21,8 +21,9 @@ from msgspec import Meta
 
 from kvo_transport.errors import ProtocolError
 
-PROTOCOL_VERSION: Final = 1
-"""Bumped on any incompatible change; a peer speaking another version is refused."""
+PROTOCOL_VERSION: Final = 2
+"""Bumped on any incompatible change; a peer speaking another version is refused.
+2: MF_META announces the prefill's epoch words, READY carries fences (kvo_transport.fence)."""
 
 MAX_FRAME_BYTES: Final = 64 << 20
 MAX_LAYERS: Final = 1024
@@ -34,6 +35,8 @@ MAX_TP_SIZE: Final = 4096
 MAX_NAME_CHARS: Final = 256
 MAX_ID_CHARS: Final = 512
 MAX_REASON_CHARS: Final = 4096
+MAX_FENCE_WORDS: Final = 1 << 24
+MAX_FENCES_PER_BATCH: Final = MAX_REQUESTS_PER_BATCH + 1
 
 _INT64_MAX = (1 << 63) - 1  # msgspec bounds must fit an int64; addresses do (user space)
 
@@ -120,6 +123,9 @@ class MfMeta(msgspec.Struct, tag="MF_META", frozen=True,
     ratio: TpSize
     d_rank: TpIndex
     layers: Annotated[tuple[LayerMeta, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
+    fence_addr: Address
+    """Start of the prefill's epoch words (registered with its engine; kvo_transport.fence)."""
+    fence_words: Annotated[int, Meta(ge=1, le=MAX_FENCE_WORDS)]
 
     def __post_init__(self) -> None:
         if self.p_rank >= self.p_tp_size:
@@ -163,6 +169,16 @@ class ReadyRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     indexer_block_ids: BlockIds = ()
 
 
+class Fence(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One epoch word guarding a READY's source, and the epoch it held when the READY was built.
+
+    The decode accepts the read only if the word still holds ``epoch`` after the data read.
+    """
+
+    word: Annotated[int, Meta(ge=0, lt=MAX_FENCE_WORDS)]
+    epoch: Count
+
+
 class ReadReadyBatch(msgspec.Struct, tag="READ_READY_BATCH", frozen=True,
                   forbid_unknown_fields=True):
     """P -> D, per layer and decode rank: these blocks may be read now."""
@@ -177,6 +193,8 @@ class ReadReadyBatch(msgspec.Struct, tag="READ_READY_BATCH", frozen=True,
     requests: Annotated[tuple[ReadyRequest, ...], Meta(max_length=MAX_REQUESTS_PER_BATCH)] = ()
     last_layer_request_ids: Annotated[tuple[Identifier, ...],
                                       Meta(max_length=MAX_REQUESTS_PER_BATCH)] = ()
+    fences: Annotated[tuple[Fence, ...], Meta(max_length=MAX_FENCES_PER_BATCH)] = ()
+    """Every epoch word guarding this batch's source (the slot's, each request's)."""
 
     def __post_init__(self) -> None:
         if self.member >= self.ratio:
@@ -188,6 +206,9 @@ class ReadReadyBatch(msgspec.Struct, tag="READ_READY_BATCH", frozen=True,
         if unknown:
             raise ValueError(f"last_layer_request_ids {_preview(sorted(unknown))} are not "
                              f"requests of this batch")
+        if self.requests and not self.fences:
+            raise ValueError("a READY with requests carries no fence: its read could not be "
+                             "checked against reuse of the source")
 
 
 class ReadDone(msgspec.Struct, tag="READ_DONE", frozen=True,
