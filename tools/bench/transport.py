@@ -9,6 +9,9 @@ every layer from a peer process, one synchronous batch per layer, three ways, in
 - samehost: kvo_transport's SameHostEngine.read (process_vm_readv straight from the peer's
           memory, chosen because both processes share this host; Mooncake is its inner engine),
 - memcpy: torch copies of the same blocks inside one process (the ceiling on this machine).
+- fenced: kvo's read followed by the decode's fence check (kvo_transport.fence.FenceReader:
+          a one-sided read of 2 epoch words, a slot's and a request's, then the compare), which
+          every accepted layer pays; ``fence_per_layer_us`` is its median extra cost.
 
 Medians over repetitions; target: kvo >= 90% of raw. Also the control plane's READY -> DONE
 round trip for an empty layer (tools/bench/_control_roundtrip.py), n/a if it is unavailable.
@@ -170,11 +173,29 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
                     dst_blocks[first + j].copy_(
                         src_blocks[first + scenario.blocks_per_layer - 1 - j])
 
+        from kvo_transport.fence import FenceReader
+        from kvo_transport.protocol import Fence
+
+        fence_reader = FenceReader(engine, 2)
+        seeded = torch.randint(0, 256, (scenario.total_bytes,),
+                               generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+        words = (0, 1)  # the peer's first two 8-byte words stand in for its epoch words
+        fences = [Fence(word=w, epoch=int.from_bytes(
+            seeded[w * 8:(w + 1) * 8].numpy().tobytes(), "little")) for w in words]
+
+        def pull_fenced() -> None:
+            for local, remote, lengths in batches:
+                engine.read(session, local, remote, lengths)
+                if fence_reader.stale(session, remote_base, fences) is not None:
+                    raise RuntimeError("fence check failed on an unchanged peer")
+
         def check_only() -> None:
             for local, remote, lengths in batches:
                 engine._registry.check_batch(session, local, remote, lengths)  # type: ignore[attr-defined]
 
-        raw_s, kvo_s, same_host_s = median_seconds([pull_raw, pull_kvo, pull_same_host], reps)
+        raw_s, kvo_s, same_host_s, fenced_s = median_seconds(
+            [pull_raw, pull_kvo, pull_same_host, pull_fenced], reps)
+        fence_reader.close()
         (check_s,) = median_seconds([check_only], reps)
         expected = torch.randint(0, 256, (scenario.total_bytes,),
                                  generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
@@ -218,6 +239,9 @@ def measure(scenario: Scenario, reps: int) -> dict[str, Any]:
         "kvo_vs_raw": raw_s / kvo_s,
         "kvo_per_layer_us": kvo_s / scenario.layers * 1e6,
         "kvo_check_per_layer_us": check_s / scenario.layers * 1e6,
+        "fenced_median_s": fenced_s,
+        "fence_per_layer_us": (fenced_s - kvo_s) / scenario.layers * 1e6,
+        "fenced_vs_kvo": kvo_s / fenced_s,
         "target_kvo_vs_raw": TARGET_RATIO,
         "meets_target": raw_s / kvo_s >= TARGET_RATIO,
     }
@@ -244,14 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(s, reps) for s in scenarios(args.quick)]
     header = (f"{'scenario':<14}{'MiB':>8}{'raw GB/s':>10}{'kvo GB/s':>10}{'memcpy GB/s':>13}"
               f"{'kvo/raw':>9}{'kvo us/layer':>14}{'check us/layer':>16}"
-              f"{'same-host GB/s':>16}{'same-host/kvo':>15}")
+              f"{'same-host GB/s':>16}{'same-host/kvo':>15}"
+              f"{'fence us/layer':>16}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['scenario']:<14}{r['total_bytes'] / 2**20:>8.1f}{r['raw_gbps']:>10.2f}"
               f"{r['kvo_gbps']:>10.2f}{r['memcpy_gbps']:>13.2f}{r['kvo_vs_raw']:>9.3f}"
               f"{r['kvo_per_layer_us']:>14.0f}{r['kvo_check_per_layer_us']:>16.1f}"
-              f"{r['same_host_gbps']:>16.2f}{r['same_host_vs_kvo']:>14.2f}x")
+              f"{r['same_host_gbps']:>16.2f}{r['same_host_vs_kvo']:>14.2f}x"
+              f"{r['fence_per_layer_us']:>16.0f}")
     print(f"target: kvo/raw >= {TARGET_RATIO}")
     roundtrip = control_roundtrip(args.quick)
     if roundtrip is not None:

@@ -185,14 +185,23 @@ class DecodeSpec:
     stall_request: str | None = None
     max_frame_bytes: int = 1 << 20
     control_secret: str | None = None
+    stalls: Mapping[int, float] = attrs.Factory(dict)
+    """layer -> seconds a data read into that destination layer pauses half-way (torn)."""
 
 
 class FlakyEngine:
-    """Delegates to a real engine but fails its first ``failures`` reads (transient faults)."""
+    """Delegates to a real engine but fails its first ``failures`` reads (transient faults),
+    and pauses half-way through data reads into a stalled layer (``stalls``): the first half
+    of the bytes is read, then the pause, then the rest: a slow decode whose read is torn if
+    the source changes meanwhile."""
 
-    def __init__(self, engine: TransferEngine, failures: int) -> None:
+    def __init__(self, engine: TransferEngine, failures: int, geometry: Geometry | None = None,
+                 dest_base: int = 0, stalls: Mapping[int, float] | None = None) -> None:
         self._engine = engine
         self._failures = failures
+        self._geometry = geometry
+        self._dest_base = dest_base
+        self.stalls: dict[int, float] = dict(stalls or {})
         self.reads = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -215,7 +224,32 @@ class FlakyEngine:
         self.reads += 1
         if self.reads <= self._failures:
             raise TransferError(f"injected transient failure {self.reads} of {self._failures}")
-        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+        stall = self._stall_of(local_addrs[0]) if local_addrs else 0.0
+        if stall <= 0:
+            self._engine.read(peer, local_addrs, remote_addrs, lengths)
+            return
+        spans = [(local, remote, length)
+                 for local, remote, length in zip(local_addrs, remote_addrs, lengths, strict=True)]
+        if len(spans) == 1 and spans[0][2] > 1:
+            local, remote, length = spans[0]
+            half = length // 2
+            spans = [(local, remote, half), (local + half, remote + half, length - half)]
+        cut = len(spans) // 2
+        for i, part in enumerate((spans[:cut], spans[cut:])):
+            if i:
+                time.sleep(stall)
+            if part:
+                self._engine.read(peer, [s[0] for s in part], [s[1] for s in part],
+                                  [s[2] for s in part])
+
+    def _stall_of(self, local: int) -> float:
+        geometry = self._geometry
+        if geometry is None or not self.stalls:
+            return 0.0
+        offset = local - self._dest_base
+        if not 0 <= offset < geometry.total_bytes:
+            return 0.0  # not a data read (the fence words land elsewhere)
+        return self.stalls.get(offset // geometry.layer_bytes, 0.0)
 
 
 def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
@@ -223,8 +257,9 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
     from kvo_transport.decode_side import DecodeReceiver
 
     logging.basicConfig(level=logging.WARNING, format="decode-child %(name)s: %(message)s")
-    engine = FlakyEngine(create_transfer_engine("mooncake"), spec.fail_first_reads)
     buffer = ShmBuffer(spec.shm_name, spec.geometry.total_bytes, create=False)
+    engine = FlakyEngine(create_transfer_engine("mooncake"), spec.fail_first_reads,
+                         spec.geometry, buffer.ptr, spec.stalls)
     engine.register(buffer.ptr, buffer.nbytes)
     table = {rid: RequestDestination(main, indexer)
              for rid, (main, indexer) in spec.destinations.items()}
@@ -250,7 +285,10 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
         done, bad = receiver.pop_finished()
         finished |= done
         failed.update(bad)
-        if command == "status":
+        if isinstance(command, tuple) and command[0] == "stalls":
+            engine.stalls = dict(command[1])
+            events.put(("stalls",))
+        elif command == "status":
             invalid = {rid: (sorted(receiver.invalid_blocks(rid).main),
                              sorted(receiver.invalid_blocks(rid).indexer))
                        for rid in spec.destinations}
@@ -294,6 +332,11 @@ class DecodeProcess:
         event = self.next_event(30)
         assert event[0] == "status", event
         return event[1], event[2], event[3], event[4], event[5]
+
+    def set_stalls(self, stalls: Mapping[int, float]) -> None:
+        """From now on, data reads into these destination layers pause half-way this long."""
+        self.commands.put(("stalls", dict(stalls)))
+        assert self.next_event(30) == ("stalls",)
 
     def closed_connections(self) -> int:
         self.commands.put("closed_connections")

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from kvo_transport.errors import ProtocolError
 from kvo_transport.protocol import (
     MAX_BLOCK_IDS_PER_REQUEST,
+    MAX_FENCE_WORDS,
     MAX_LAYERS,
     MAX_NAME_CHARS,
     MAX_REASON_CHARS,
     MAX_REQUESTS_PER_BATCH,
     MAX_TENSORS_PER_GROUP,
-    MAX_FENCE_WORDS,
     PROTOCOL_VERSION,
     Fence,
     FrameDecoder,

@@ -150,9 +150,10 @@ class PrefillPublisher:
 
     ``layers`` describe this rank's exposed buffers (MF_META); ``gates`` is the slot-gate
     table the layer pipeline waits on (``fences`` is attached to it when it takes a fence);
-    ``fences`` are this rank's epoch words, registered with its engine; ``tracker`` (optional) receives per-request completion
-    under the part name ``request_part`` (expected automatically unless ``auto_expect`` is
-    False, in which case the caller expects it together with its own parts).
+    ``fences`` are this rank's epoch words, registered with its engine; ``tracker``
+    (optional) receives per-request completion under the part name ``request_part``
+    (expected automatically unless ``auto_expect`` is False, in which case the caller expects
+    it together with its own parts).
     ``control_secret`` (else ``$KVO_CONTROL_SECRET``) authenticates every frame (frame_auth);
     without one, only loopback decode endpoints are accepted.
     """

@@ -108,12 +108,13 @@ class GuardedEngine:
                 self._failures_left -= 1
                 self.injected_failures += 1
                 raise TransferError("fault injection: this read was failed on purpose")
-            if self._faults.stall_reads_s > 0:
+            data = bool(local_addrs) and self._layer_of(local_addrs[0]) is not None
+            if self._faults.stall_reads_s > 0 and data:
                 time.sleep(self._faults.stall_reads_s)
             started = time.perf_counter()
             self._engine.read(peer, local_addrs, remote_addrs, lengths)
             elapsed = time.perf_counter() - started
-            if self._faults.corrupt_reads:
+            if self._faults.corrupt_reads and data:  # the KV bytes, not a fence's epoch words
                 for address, length in zip(local_addrs, lengths, strict=True):
                     ctypes.memset(address, CORRUPT_BYTE, length)
                     self.corrupted_bytes += length
@@ -180,8 +181,9 @@ class GuardedEngine:
 
     def _account(self, addresses: Sequence[int], lengths: Sequence[int], seconds: float) -> None:
         layer = self._layer_of(addresses[0]) if addresses else None
-        index = -1 if layer is None else layer.index
-        stats = self.per_layer.setdefault(index, LayerTransferStats())
+        if layer is None:
+            return  # not a layer's data (the fence words of a read land elsewhere)
+        stats = self.per_layer.setdefault(layer.index, LayerTransferStats())
         stats.reads += 1
         stats.bytes += sum(lengths)
         stats.seconds += seconds

@@ -7,6 +7,11 @@ its cache, the step's chunks of that layer are published to the decode ranks; th
 close the layer's part of the slot gate (buffer reuse) and, after a request's last layer, its
 completion (its blocks may be freed).
 
+Fences (kvo_transport.fence): the sender's epoch words are registered with its engine and
+shared by its publishers; a joined gate table advances a slot's word when a round fails (before
+the layer pipeline may overwrite the buffer), and ``finished_sending`` releases a request's word
+before vLLM gets its blocks back, so a decode still reading them refuses what it read.
+
 A request whose hand-off cannot start (the decode refused the handshake, or did not answer in
 time) is reported to the proxy with the reason, so the client gets a clear error instead of
 waiting for the decode's deadline.
@@ -28,6 +33,7 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
 from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_transport.fence import FenceWords
 from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.decode_worker import describe_kv_caches, merged_regions
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
@@ -76,6 +82,7 @@ class PrefillSender:
         self._forwarder = ReadPartsForwarder(gates)
         self._tracker = RequestCompletionTracker()
         self._engine: TransferEngine | None = None
+        self._fences: FenceWords | None = None
         self._layers: tuple[LayerMeta, ...] = ()
         self._index_of: dict[str, int] = {}
         self._slot_keys: dict[str, SlotKey] = {}
@@ -90,6 +97,8 @@ class PrefillSender:
         self._failed: OrderedDict[str, str] = OrderedDict()
         """Transfers that failed: later chunks of theirs (chunked prefill) are not published."""
         self._vllm_finished: set[str] = set()
+        self._transfer_of: dict[str, str] = {}
+        """transfer id -> vLLM request id, until the request's blocks go back to vLLM."""
         self._step = 0
         self._chunks: tuple[SendChunk, ...] = ()
         self._notifier = Notifier("kvo-prefill-notify", control_key(config.control_secret))
@@ -123,6 +132,9 @@ class PrefillSender:
         for start, end in merged_regions(spans):
             engine.register(start, end - start)
         self._engine = engine
+        self._fences = FenceWords(engine=engine)
+        if self._joined is not None:  # a failed round advances the slot's word before reuse
+            self._joined.attach_fence(self._fences)
         self._layers = tuple(metas)
         self._block_bytes = block_bytes
         logger.info("kvo remote_d2h prefill rank %d/%d: %d layers exposed in %d region(s), "
@@ -133,12 +145,12 @@ class PrefillSender:
         with self._publishers_lock:
             publisher = self._publishers.get(decode_tp)
             if publisher is None:
-                if self._engine is None:
+                if self._engine is None or self._fences is None:
                     raise RuntimeError("register_kv_caches has not run yet")
                 publisher = PrefillPublisher.for_engine(
                     self._engine, instance_id=self.instance_id, prefill_tp=self.tp_size,
                     p_rank=self.tp_rank, decode_tp=decode_tp, layers=self._layers,
-                    gates=self._forwarder, tracker=self._tracker,
+                    gates=self._forwarder, fences=self._fences, tracker=self._tracker,
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     layer_deadline_s=self.config.layer_deadline_s,
                     request_part=REQUEST_PART, control_secret=self.config.control_secret)
@@ -172,6 +184,7 @@ class PrefillSender:
             if send is None:
                 send = self._sends[chunk.transfer_id] = _Send(request_id=chunk.request_id,
                                                               transfer_id=chunk.transfer_id)
+                self._transfer_of[chunk.transfer_id] = chunk.request_id
                 failure = self._failed.get(chunk.transfer_id)
                 if failure is not None:  # an earlier chunk failed: the decode gave up
                     send.failure = failure
@@ -324,6 +337,12 @@ class PrefillSender:
             ready = self._done & self._vllm_finished
             self._done -= ready
             self._vllm_finished -= ready
+            released = [t for t, r in self._transfer_of.items() if r in ready]
+            for transfer_id in released:
+                del self._transfer_of[transfer_id]
+        if self._fences is not None:
+            for transfer_id in released:  # before vLLM may hand the blocks to another request
+                self._fences.release(transfer_id)
         return ready
 
     def snapshot(self) -> dict[str, object]:
@@ -339,6 +358,9 @@ class PrefillSender:
             publisher.close()
         self._publishers.clear()
         self._notifier.close()
+        if self._fences is not None:
+            self._fences.close()
+            self._fences = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None
