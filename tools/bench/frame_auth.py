@@ -21,6 +21,7 @@ from typing import Any
 from kvo_transport.frame_auth import AuthCounters, ControlKey, DecodeSessions, PrefillChannel
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
+    Fence,
     FrameDecoder,
     ReadReadyBatch,
     ReadyRequest,
@@ -38,7 +39,8 @@ def _batch(requests: int, blocks: int) -> ReadReadyBatch:
         member=0, ratio=1, requests=tuple(
             ReadyRequest(request_id=f"cmpl-{i:032x}", main_start_block=0, num_blocks=blocks,
                          main_block_ids=tuple(range(i * blocks, (i + 1) * blocks)))
-            for i in range(requests)))
+            for i in range(requests)),
+        fences=tuple(Fence(word=i, epoch=7) for i in range(requests + 1)))
 
 
 def _median_us(run: Callable[[], Any], n: int, blocks: int = 7) -> float:

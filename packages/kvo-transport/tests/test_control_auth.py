@@ -27,6 +27,7 @@ from kvo_transport.frame_auth import AuthCounters, ControlKey, Kind, PrefillChan
 from kvo_transport.prefill_side import HandshakeRejectedError, PrefillPublisher
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
+    Fence,
     FrameDecoder,
     HandshakeAnswer,
     ReadDone,
@@ -125,7 +126,8 @@ def test_bad_frames_are_refused_and_a_good_prefill_keeps_working(engine, setup) 
         dest.map[:] = bytes(dest.nbytes)
         ready = peer.channel.seal(encode(ReadReadyBatch(
             version=PROTOCOL_VERSION, seq=900, layer_index=0, layer_name=LAYER0, member=0,
-            ratio=1, requests=(publisher.ready_request("r1", 0, SRC_BLOCKS),))))
+            ratio=1, requests=(publisher.ready_request("r1", 0, SRC_BLOCKS),),
+            fences=(Fence(word=0, epoch=publisher.fences.epoch(0)),))))
         peer.socket.send(ready)
         done = peer.answer(WAIT)
         assert done is not None
@@ -139,7 +141,8 @@ def test_bad_frames_are_refused_and_a_good_prefill_keeps_working(engine, setup) 
         peer.socket.send(bytes(forged))  # forged (altered after sealing)
         plain = encode(ReadReadyBatch(
             version=PROTOCOL_VERSION, seq=901, layer_index=0, layer_name=LAYER0, member=0,
-            ratio=1, requests=(publisher.ready_request("r1", 0, SRC_BLOCKS),)))
+            ratio=1, requests=(publisher.ready_request("r1", 0, SRC_BLOCKS),),
+            fences=(Fence(word=0, epoch=publisher.fences.epoch(0)),)))
         peer.socket.send(plain)  # no MAC at all
         wrong_key = RawPeer(context, decode.endpoint, ControlKey.from_secret("not the secret!!"))
         wrong_key.socket.send(wrong_key.channel.seal_hello(encode(publisher.meta)))
