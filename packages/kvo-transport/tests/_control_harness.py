@@ -187,6 +187,7 @@ class DecodeSpec:
     control_secret: str | None = None
     stalls: Mapping[int, float] = attrs.Factory(dict)
     """layer -> seconds a data read into that destination layer pauses half-way (torn)."""
+    quarantine_s: float = 2.0
 
 
 class FlakyEngine:
@@ -275,6 +276,7 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                               read_retries=spec.read_retries,
                               retry_backoff_s=spec.retry_backoff_s,
                               max_frame_bytes=spec.max_frame_bytes,
+                              quarantine_s=spec.quarantine_s,
                               control_secret=spec.control_secret)
     receiver.start()
     events.put(("ready", receiver.endpoint, engine.session_id))

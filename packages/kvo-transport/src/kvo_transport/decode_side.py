@@ -11,6 +11,12 @@ After every successful data read the READY's fences are checked (kvo_transport.f
 prefill's epoch words are read through the same engine and must still hold the READY's epochs;
 a moved word means the source was reused while it was read, and the layer fails like a failed
 read. Only then is READ_DONE sent.
+
+Destinations (kvo_transport.destinations): every data read is recorded in a ledger before it
+starts and after it returns; a read into a revoked block is refused; a failed read quarantines
+its destination (slices of a failed Mooncake batch may land after the call returned), and a
+request that failed is only reported by ``pop_finished`` once its blocks settled. ``revoke``
+never waits for a read; whoever hands blocks back asks ``settled`` first.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ from kvo_core.config import CONTROL_SECRET_ENV
 from kvo_core.errors import KvoError
 from kvo_core.gates import RequestCompletionTracker
 from kvo_core.tp import TPMapping
+from kvo_transport.destinations import (
+    DEFAULT_QUARANTINE_S,
+    DestinationLedger,
+    DestinationRevokedError,
+    blocks,
+)
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import ProtocolError, TransferError
 from kvo_transport.fence import FenceReader
@@ -127,7 +139,8 @@ class DecodeReceiver:
                  read_retries: int = 2, retry_backoff_s: float = 0.05,
                  max_frame_bytes: int = MAX_FRAME_BYTES,
                  on_invalid: InvalidCallback | None = None,
-                 control_secret: str | None = None) -> None:
+                 control_secret: str | None = None,
+                 quarantine_s: float = DEFAULT_QUARANTINE_S) -> None:
         if not isinstance(read_retries, int) or read_retries < 0:
             raise ValueError(f"read_retries must be an integer >= 0, got {read_retries!r}")
         if not retry_backoff_s >= 0:
@@ -149,7 +162,12 @@ class DecodeReceiver:
         self._decoder = FrameDecoder(max_frame_bytes)
         self._backend = engine.backend
         self._transfer_protocol = engine.protocol
+        self.destinations = DestinationLedger(quarantine_s)
         self._fence_reader = FenceReader(engine, MAX_FENCES_PER_BATCH)
+        self._retired_readers: list[FenceReader] = []
+        """Fence scratch a failed fence read may still land in: kept mapped until close."""
+        self._held: dict[str, str] = {}
+        """Failed requests whose destination has not settled yet (reported later)."""
         self.stale_reads = 0
         """Reads whose fence showed the source reused meanwhile (refused, for tests/metrics)."""
 
@@ -216,7 +234,8 @@ class DecodeReceiver:
         for socket in (self._wake_out, self._wake_in, self._monitor, self._router):
             socket.close(linger=0)
         self._context.term()
-        self._fence_reader.close()
+        for reader in (self._fence_reader, *self._retired_readers):
+            reader.close()
 
     def __enter__(self) -> DecodeReceiver:
         return self.start()
@@ -234,7 +253,31 @@ class DecodeReceiver:
                 self._progress.pop(request_id, None)
             forgotten = self._forgotten & (finished | failed.keys())
             self._forgotten -= forgotten
-        return finished - forgotten, {r: e for r, e in failed.items() if r not in forgotten}
+            self._held.update((r, e) for r, e in failed.items() if r not in forgotten)
+            held = list(self._held.items())
+        ready: dict[str, str] = {}
+        for request_id, error in held:  # a failed read's late slices may still be landing
+            invalid = self.invalid_blocks(request_id)
+            if self.destinations.settled(blocks(invalid.main, invalid.indexer)):
+                ready[request_id] = error
+        with self._lock:
+            for request_id in ready:
+                self._held.pop(request_id, None)
+        return finished - forgotten, ready
+
+    def revoke(self, main: Iterable[int], indexer: Iterable[int] = ()) -> None:
+        """No read may start into these destination blocks until ``restore``; never waits
+        for a read in flight (ask ``settled`` before handing the blocks back)."""
+        self.destinations.revoke(blocks(main, indexer))
+
+    def restore(self, main: Iterable[int], indexer: Iterable[int] = ()) -> None:
+        """The blocks belong to a new destination: reads into them are allowed again."""
+        self.destinations.restore(blocks(main, indexer))
+
+    def settled(self, main: Iterable[int], indexer: Iterable[int] = ()) -> bool:
+        """True when no read is writing these blocks and no failed read's quarantine holds
+        them: they may go back to their allocator."""
+        return self.destinations.settled(blocks(main, indexer))
 
     def invalid_blocks(self, request_id: str) -> InvalidBlocks:
         with self._lock:
@@ -424,7 +467,18 @@ class DecodeReceiver:
             self._fail_layer(identity, session, batch, targets,
                              f"internal error on decode: {exc!r}", started)
             return
-        error = self._pull(session, batch, plan)
+        written = frozenset().union(*(blocks(main, indexer)
+                                      for main, indexer in plan.destinations.values()))
+        try:
+            ticket = self.destinations.begin_read(written)
+        except DestinationRevokedError as exc:
+            self._fail_layer(identity, session, batch, targets, str(exc), started)
+            return
+        slices_pending = True
+        try:
+            error, slices_pending = self._pull(session, batch, plan)
+        finally:
+            self.destinations.end_read(ticket, failed=slices_pending)
         if error is None and plan.lengths:
             error = self._check_fences(session, batch)
         if error is not None:
@@ -456,10 +510,16 @@ class DecodeReceiver:
         return plan_layer_read(meta.layers[batch.layer_index],
                                self._layout.layers[batch.layer_index], batch, targets.get)
 
-    def _pull(self, session: _Session, batch: ReadReadyBatch, plan: LayerReadPlan) -> str | None:
-        """Read the plan, retrying a failed read; the reason on final failure, else None."""
+    def _pull(self, session: _Session, batch: ReadReadyBatch, plan: LayerReadPlan
+              ) -> tuple[str | None, bool]:
+        """Read the plan, retrying a failed read: (the reason on final failure, else None;
+        whether slices of a failed attempt may still land).
+
+        A retry first waits out the quarantine: a slice of the failed attempt landing after
+        the retry rewrote the destination (and its fence was checked) would go unnoticed.
+        """
         if not plan.lengths:
-            return None
+            return None, False
         peer = session.meta.engine_session_id
         attempts = self._read_retries + 1
         last: BaseException | None = None
@@ -470,7 +530,7 @@ class DecodeReceiver:
                     log.info("decode %s: layer %d seq %d from %s succeeded on attempt %d",
                              self.endpoint, batch.layer_index, batch.seq, session.label,
                              attempt + 1)
-                return None
+                return None, False
             except TransferError as exc:
                 log.warning("decode %s: layer %d seq %d from %s: read of %d bytes in %d "
                             "descriptors failed (attempt %d of %d): %s", self.endpoint,
@@ -478,13 +538,14 @@ class DecodeReceiver:
                             len(plan.lengths), attempt + 1, attempts, exc)
                 last = exc
                 if attempt + 1 < attempts:
-                    time.sleep(self._retry_backoff_s * (2 ** attempt))
+                    time.sleep(max(self._retry_backoff_s * (2 ** attempt),
+                                   self.destinations.quarantine_s))
             except Exception as exc:  # an engine bug is not worth retrying
                 log.exception("decode %s: layer %d seq %d: engine read raised", self.endpoint,
                               batch.layer_index, batch.seq)
-                return f"read from {peer} raised {exc!r}"
+                return f"read from {peer} raised {exc!r}", True
         return (f"read of {plan.total_bytes} bytes in {len(plan.lengths)} descriptors from "
-                f"{peer} failed after {attempts} attempt(s): {last}")
+                f"{peer} failed after {attempts} attempt(s): {last}"), True
 
     def _check_fences(self, session: _Session, batch: ReadReadyBatch) -> str | None:
         """After the data read: the reason to refuse it if the source may have been reused."""
@@ -493,6 +554,9 @@ class DecodeReceiver:
             stale = self._fence_reader.stale(meta.engine_session_id, meta.fence_addr,
                                              batch.fences)
         except TransferError as exc:
+            # Its slices may still land in the scratch words: never compare in them again.
+            self._retired_readers.append(self._fence_reader)
+            self._fence_reader = FenceReader(self._engine, MAX_FENCES_PER_BATCH)
             return f"fence: the epoch words could not be read after the data read: {exc}"
         if stale is not None:
             self.stale_reads += 1

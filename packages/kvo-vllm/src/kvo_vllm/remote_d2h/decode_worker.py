@@ -8,9 +8,12 @@ and reads through the engine. Per request:
    transfer id and decode advertises them to the proxy (``DecodeReady``);
 2. the prefill publishes READYs layer by layer; the receiver pulls and answers;
 3. once every layer arrived, the request is reported received; vLLM schedules it;
-4. a failed pull (refused READY, failed read, lost prefill past the deadline) revokes the
-   destination first, then reports the request received with its invalid blocks, so vLLM's
-   load-failure path recomputes them (or fails the request): never garbage tokens.
+4. a failed pull (refused READY, failed read, stale read caught by the fence, lost prefill
+   past the deadline) revokes the destination in the transport (no read may start into it;
+   revoking never waits for a read in flight), then reports the request received with its
+   invalid blocks once the destination settled (no read in flight into it, a failed read's
+   quarantine over), so vLLM's load-failure path recomputes them (or fails the request):
+   never garbage tokens, and vLLM's step thread never waits on a stalled transfer.
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ class _Recv:
     destination: RequestDestination
     registered_at: float
     last_seen: float | None = None
+
+
+@attrs.define
+class _Returning:
+    """A request given up on whose blocks go back to vLLM once no read can write them."""
+
+    target: RecvTarget
+    invalid: set[int]
+    reason: str | None
+    """Why it failed (None: vLLM aborted it, nothing to report as a load error)."""
 
 
 @attrs.define
@@ -116,6 +129,7 @@ class DecodePuller:
         self._recvs: dict[str, _Recv] = {}  # transfer id -> state
         self._finished: set[str] = set()  # vLLM request ids to report received
         self._invalid: set[int] = set()
+        self._returning: list[_Returning] = []
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
         self._engine: GuardedEngine | None = None
         self._receiver: DecodeReceiver | None = None
@@ -180,7 +194,8 @@ class DecodePuller:
 
     def _register(self, target: RecvTarget) -> None:
         destination = RequestDestination(main_block_ids=target.block_ids)
-        self.engine.restore(b for b in target.block_ids if b >= 0)
+        if self._receiver is not None:
+            self._receiver.restore(target.block_ids)
         with self._lock:
             self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
                                                     registered_at=time.monotonic())
@@ -204,8 +219,8 @@ class DecodePuller:
         """A pull failed (receiver thread): no later READY may write this destination."""
         with self._lock:
             recv = self._recvs.get(transfer_id)
-        if recv is not None:
-            self.engine.revoke(recv.target.block_ids)
+        if recv is not None and self._receiver is not None:
+            self._receiver.revoke(recv.target.block_ids)
 
     # -- results ------------------------------------------------------------------------
 
@@ -220,6 +235,7 @@ class DecodePuller:
         for transfer_id, reason in failed.items():
             self._complete(transfer_id, reason)
         self._expire_deadlines()
+        self._return_settled()
         with self._lock:
             done, self._finished = self._finished, set()
             invalid, self._invalid = self._invalid, set()
@@ -236,9 +252,9 @@ class DecodePuller:
                 self.stats.received += 1
                 self._finished.add(target.request_id)
             return
-        self.engine.revoke(target.block_ids)
         invalid: set[int] = set()
         if self._receiver is not None:
+            self._receiver.revoke(target.block_ids)
             invalid = set(self._receiver.invalid_blocks(transfer_id).main)
             self._receiver.forget(transfer_id)
         self._fail(target, invalid, failure)
@@ -247,13 +263,29 @@ class DecodePuller:
         if not invalid:  # nothing specific: every block that was to be pulled is suspect
             invalid = {b for b in target.block_ids if b >= 0}
         logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
-                       "go to vLLM's load-failure path: %s", target.request_id,
-                       target.transfer_id, len(invalid), reason)
+                       "go to vLLM's load-failure path once no read can write them: %s",
+                       target.request_id, target.transfer_id, len(invalid), reason)
         with self._lock:
-            self.stats.failed += 1
-            self.stats.invalid_blocks_reported += len(invalid)
-            self._invalid |= invalid
-            self._finished.add(target.request_id)
+            self._returning.append(_Returning(target=target, invalid=invalid, reason=reason))
+        self._return_settled()
+
+    def _return_settled(self) -> None:
+        """Report given-up requests whose blocks no read can write any more (never waits)."""
+        receiver = self._receiver
+        with self._lock:
+            waiting, self._returning = self._returning, []
+        ready, still = [], []
+        for item in waiting:
+            settled = receiver is None or receiver.settled(item.target.block_ids)
+            (ready if settled else still).append(item)
+        with self._lock:
+            self._returning.extend(still)
+            for item in ready:
+                if item.reason is not None:
+                    self.stats.failed += 1
+                    self.stats.invalid_blocks_reported += len(item.invalid)
+                    self._invalid |= item.invalid
+                self._finished.add(item.target.request_id)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -268,8 +300,8 @@ class DecodePuller:
             for transfer_id, _, _ in expired:
                 del self._recvs[transfer_id]
         for transfer_id, recv, limit in expired:
-            self.engine.revoke(recv.target.block_ids)
             if self._receiver is not None:
+                self._receiver.revoke(recv.target.block_ids)
                 self._receiver.forget(transfer_id)
             with self._lock:
                 self.stats.deadline_failures += 1
@@ -284,16 +316,20 @@ class DecodePuller:
             for transfer_id, _ in found:
                 del self._recvs[transfer_id]
             if not found:
-                # Already reported, or never registered: vLLM still waits for one answer.
-                self._finished.add(request_id)
+                # Already reported, or never registered: vLLM still waits for one answer,
+                # unless the request is already on its way back (reported once settled).
+                if all(item.target.request_id != request_id for item in self._returning):
+                    self._finished.add(request_id)
                 return
         for transfer_id, recv in found:
-            self.engine.revoke(recv.target.block_ids)
             if self._receiver is not None:
+                self._receiver.revoke(recv.target.block_ids)
                 self._receiver.forget(transfer_id)
         with self._lock:
             self.stats.revoked += 1
-            self._finished.add(request_id)
+            self._returning.extend(_Returning(target=recv.target, invalid=set(), reason=None)
+                                   for _, recv in found)
+        self._return_settled()
         logger.info("kvo remote_d2h: pull of request %s stopped: %s", request_id, reason)
 
     def snapshot(self) -> dict[str, object]:
@@ -303,10 +339,13 @@ class DecodePuller:
             str(index): attrs.asdict(stats) for index, stats in sorted(engine.per_layer.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
                 **attrs.asdict(self.stats), "per_layer": per_layer,
-                "refused_reads": 0 if engine is None else engine.refused_reads,
+                "refused_reads": (0 if self._receiver is None
+                                  else self._receiver.destinations.refused_reads),
                 "injected_failures": 0 if engine is None else engine.injected_failures,
                 "corrupted_bytes": 0 if engine is None else engine.corrupted_bytes,
-                "in_flight": len(self._recvs)}
+                "in_flight": len(self._recvs),
+                "returning": len(self._returning),
+                "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads}
 
     def close(self) -> None:
         if self._receiver is not None:

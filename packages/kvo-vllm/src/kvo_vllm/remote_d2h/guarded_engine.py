@@ -1,13 +1,9 @@
-"""Decode's transfer engine, wrapped so that a revoked destination is never written.
+"""Decode's transfer engine, wrapped to count bytes and seconds per layer.
 
-The decode receiver resolves a READY's destination, plans, then reads; the connector may give
-up on a request meanwhile (its deadline passed, or vLLM aborted it) and hand its blocks back
-to vLLM. Every read therefore runs under one lock and is refused when it would write a block
-that was revoked; revoking takes the same lock, so it also waits for a read in progress.
-Blocks leave the revoked set when they are registered as a new destination.
-
-The wrapper also counts bytes and seconds per layer (the demo's "per-layer transfer time")
-and carries the test-only fault injection.
+The counts are the demo's "per-layer transfer time". Revocation lives in the transport
+(kvo_transport.destinations, owned by the DecodeReceiver): no lock is held across a read here,
+so nothing waits behind a stalled transfer. The wrapper still carries the test-only fault
+injection.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -55,7 +51,7 @@ class LayerTransferStats:
 
 
 class GuardedEngine:
-    """A TransferEngine for the decode receiver: revocation checks, stats, fault injection."""
+    """A TransferEngine for the decode receiver: per-layer stats, fault injection."""
 
     def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion],
                  faults: FaultInjection | None = None) -> None:
@@ -63,12 +59,10 @@ class GuardedEngine:
         self._lock = threading.Lock()
         self._layers = sorted(layers, key=lambda layer: layer.base)
         self._bases = [layer.base for layer in self._layers]
-        self._revoked: set[int] = set()
         self._faults = faults or FaultInjection()
         self._failures_left = self._faults.fail_reads
         self._control_stamp: tuple[int, int] | None = None
         self.per_layer: dict[int, LayerTransferStats] = {}
-        self.refused_reads = 0
         self.injected_failures = 0
         self.corrupted_bytes = 0
 
@@ -94,27 +88,23 @@ class GuardedEngine:
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
-        with self._lock:
-            if self._revoked:
-                hit = self._revoked_blocks_in(local_addrs, lengths)
-                if hit:
-                    self.refused_reads += 1
-                    raise TransferError(
-                        f"read refused: it would write block(s) {sorted(hit)[:8]} of a "
-                        f"destination that was revoked (request given up or aborted)")
+        data = bool(local_addrs) and self._layer_of(local_addrs[0]) is not None
+        with self._lock:  # the fault state only: the read itself runs outside any lock
             if self._faults.control_file is not None:
                 self._reload_faults(self._faults.control_file)
             if self._failures_left > 0:
                 self._failures_left -= 1
                 self.injected_failures += 1
                 raise TransferError("fault injection: this read was failed on purpose")
-            data = bool(local_addrs) and self._layer_of(local_addrs[0]) is not None
-            if self._faults.stall_reads_s > 0 and data:
-                time.sleep(self._faults.stall_reads_s)
-            started = time.perf_counter()
-            self._engine.read(peer, local_addrs, remote_addrs, lengths)
-            elapsed = time.perf_counter() - started
-            if self._faults.corrupt_reads and data:  # the KV bytes, not a fence's epoch words
+            stall = self._faults.stall_reads_s if data else 0.0
+            corrupt = self._faults.corrupt_reads and data  # KV bytes, not a fence's words
+        if stall > 0:
+            time.sleep(stall)
+        started = time.perf_counter()
+        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            if corrupt:
                 for address, length in zip(local_addrs, lengths, strict=True):
                     ctypes.memset(address, CORRUPT_BYTE, length)
                     self.corrupted_bytes += length
@@ -150,28 +140,7 @@ class GuardedEngine:
     def close(self) -> None:
         self._engine.close()
 
-    # -- revocation -------------------------------------------------------------------------
-
-    def revoke(self, block_ids: Iterable[int]) -> None:
-        """No read may write these blocks until ``restore`` (waits for a read in progress)."""
-        with self._lock:
-            self._revoked.update(b for b in block_ids if b >= 0)
-
-    def restore(self, block_ids: Iterable[int]) -> None:
-        """The blocks belong to a new destination: reads into them are allowed again."""
-        with self._lock:
-            self._revoked.difference_update(block_ids)
-
-    def _revoked_blocks_in(self, addresses: Sequence[int], lengths: Sequence[int]) -> set[int]:
-        hit: set[int] = set()
-        for address, length in zip(addresses, lengths, strict=True):
-            layer = self._layer_of(address)
-            if layer is None:
-                continue
-            first = (address - layer.base) // layer.block_bytes
-            last = (address + length - 1 - layer.base) // layer.block_bytes
-            hit.update(b for b in range(first, last + 1) if b in self._revoked)
-        return hit
+    # -- where an address lives ---------------------------------------------------------------
 
     def _layer_of(self, address: int) -> LayerRegion | None:
         i = bisect.bisect_right(self._bases, address) - 1
