@@ -274,7 +274,8 @@ class DecodePuller:
         receiver = self._receiver
         with self._lock:
             waiting, self._returning = self._returning, []
-        ready, still = [], []
+        ready: list[_Returning] = []
+        still: list[_Returning] = []
         for item in waiting:
             settled = receiver is None or receiver.settled(item.target.block_ids)
             (ready if settled else still).append(item)

@@ -1,0 +1,209 @@
+"""kvo-vllm's decode worker (``DecodePuller``) against a prefill that reuses its memory.
+
+Real Mooncake engines and real ZMQ on loopback; the decode worker owns real CPU tensors as its KV
+cache (vLLM's engine is not needed to show what the worker reports to it). The prefill side is
+kvo-transport's publisher over its own tensors; when it reports a request failed it hands the
+request's blocks to a new occupant, as vLLM's free list would. Both stale-read shapes end with
+the request reported to vLLM with its blocks on the load-failure path (so vLLM recomputes), never
+received with reused bytes; revoking a request whose read is stalled returns at once and its
+blocks come back only after the read ended.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvo_core.config import RemoteD2HConfig
+from kvo_core.gates import RequestCompletionTracker, SlotGates
+from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
+from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
+from kvo_vllm.remote_d2h.options import FaultInjection
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
+           "network namespace (nox -s vllm does this)")
+
+LAYERS = 4
+BLOCKS = 8
+BLOCK_SHAPE = (2, 16, 8)  # heads, block size, 2 * head size: 1 KiB of float32 per block
+SRC_BLOCKS = (0, 1, 2)
+DST_BLOCKS = (5, 3, 6)
+WAIT = 20.0
+
+
+def layer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def prefill_engine() -> Iterator[TransferEngine]:
+    engine = create_transfer_engine("mooncake")
+    yield engine
+    engine.close()
+
+
+class Prefill:
+    """Source tensors and a publisher: layer i's KV content is a function of (request, i)."""
+
+    def __init__(self, engine: TransferEngine, deadline_s: float) -> None:
+        self.engine = engine
+        self.kv = {layer(i): torch.zeros(BLOCKS, *BLOCK_SHAPE) for i in range(LAYERS)}
+        for tensor in self.kv.values():
+            engine.register(tensor.data_ptr(), tensor.numel() * 4)
+        block_bytes = self.kv[layer(0)][0].numel() * 4
+        metas = [LayerMeta(index=i, name=layer(i), main=TensorGroup(
+            base_addrs=(self.kv[layer(i)].data_ptr(),), block_bytes=(block_bytes,),
+            num_blocks=BLOCKS)) for i in range(LAYERS)]
+        self.gates, self.tracker = SlotGates(), RequestCompletionTracker()
+        self.publisher = PrefillPublisher.for_engine(
+            engine, instance_id="prefill-fence", prefill_tp=1, p_rank=0, decode_tp=1,
+            layers=metas, gates=self.gates, tracker=self.tracker, layer_deadline_s=deadline_s)
+
+    def fill(self, occupant: int) -> None:
+        for i, tensor in enumerate(self.kv.values()):
+            for block in SRC_BLOCKS:
+                tensor[block] = float(1000 * occupant + 10 * i + block)
+
+    def publish(self, endpoint: str, transfer_id: str) -> None:
+        request = self.publisher.ready_request(transfer_id, 0, SRC_BLOCKS)
+        for i in range(LAYERS):
+            self.publisher.publish_layer(i, (i + 1,), {endpoint: [request]},
+                                         last_layer_request_ids=(transfer_id,)
+                                         if i == LAYERS - 1 else ())
+
+    def reuse_blocks_once_failed(self, transfer_id: str) -> bool:
+        """Poll the publisher; once the request is reported failed, a new occupant writes
+        its blocks (vLLM's free list would hand them out). True when that happened."""
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            done, failed = self.tracker.pop_finished()
+            if transfer_id in failed:
+                self.fill(occupant=2)
+                return True
+            if transfer_id in done:
+                return False
+            time.sleep(0.005)
+        raise AssertionError(f"the prefill never settled {transfer_id}")
+
+    def close(self) -> None:
+        self.publisher.close()
+        for tensor in self.kv.values():
+            self.engine.unregister(tensor.data_ptr())
+
+
+def make_puller(stall_s: float) -> tuple[DecodePuller, dict[str, torch.Tensor]]:
+    config = RemoteD2HConfig(kv_port=free_port(), layer_deadline_s=30.0,
+                             handshake_timeout_s=30.0, read_retries=0)
+    puller = DecodePuller(config=config, tp_rank=0, tp_size=1, dp_rank=0,
+                          faults=FaultInjection(stall_reads_s=stall_s))
+    kv = {layer(i): torch.full((BLOCKS, *BLOCK_SHAPE), -1.0) for i in range(LAYERS)}
+    puller.register_kv_caches(kv)
+    return puller, kv
+
+
+def register(puller: DecodePuller, transfer_id: str) -> None:
+    puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+        request_id=f"req-{transfer_id}", transfer_id=transfer_id, block_ids=DST_BLOCKS,
+        skip_blocks=0),)))
+
+
+def collect_until(puller: DecodePuller, request_id: str) -> tuple[set[str], set[int]]:
+    """What the worker reports to vLLM, once it reports ``request_id``."""
+    invalid: set[int] = set()
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        done, bad = puller.collect()
+        invalid |= bad
+        if request_id in done:
+            return done, invalid
+        time.sleep(0.01)
+    raise AssertionError(f"the decode worker never reported {request_id}")
+
+
+def run_shape(prefill_engine: TransferEngine, *, stall_s: float, deadline_s: float
+              ) -> tuple[set[int], dict[str, object]]:
+    """(blocks reported to vLLM's load-failure path, the worker's counters)."""
+    prefill = Prefill(prefill_engine, deadline_s)
+    puller, _ = make_puller(stall_s)
+    try:
+        register(puller, "t1")
+        prefill.fill(occupant=1)
+        prefill.publish(puller.endpoint, "t1")
+        assert prefill.reuse_blocks_once_failed("t1"), "the prefill's deadline never fired"
+        _, invalid = collect_until(puller, "req-t1")
+        return invalid, puller.snapshot()
+    finally:
+        prefill.close()
+        puller.close()
+
+
+def received_correctly(kv: dict[str, torch.Tensor]) -> bool:
+    return all(bool((kv[layer(i)][dst] == float(1000 + 10 * i + src)).all())
+               for i in range(LAYERS) for src, dst in zip(SRC_BLOCKS, DST_BLOCKS, strict=True))
+
+
+def test_a_read_stalled_past_the_deadline_goes_to_the_load_failure_path(
+        prefill_engine: TransferEngine) -> None:
+    # Every read stalls 1.5 s; the prefill's deadline is 0.5 s, then the blocks are reused.
+    invalid, stats = run_shape(prefill_engine, stall_s=1.5, deadline_s=0.5)
+    assert set(DST_BLOCKS) <= invalid  # vLLM recomputes them (or fails the request)
+    assert stats["stale_reads"] >= 1 and stats["received"] == 0
+
+
+def test_slow_but_progressing_reads_go_to_the_load_failure_path(
+        prefill_engine: TransferEngine) -> None:
+    # Each read takes 0.4 s, the deadline is 1.0 s: layers 0-1 arrive in time, layer 2 is
+    # read while the blocks already have their new occupant.
+    invalid, stats = run_shape(prefill_engine, stall_s=0.4, deadline_s=1.0)
+    assert set(DST_BLOCKS) <= invalid
+    assert stats["stale_reads"] >= 1 and stats["received"] == 0
+
+
+def test_unhurried_pull_is_received_intact(prefill_engine: TransferEngine) -> None:
+    prefill = Prefill(prefill_engine, deadline_s=10.0)
+    puller, kv = make_puller(0.0)
+    try:
+        register(puller, "t2")
+        prefill.fill(occupant=1)
+        prefill.publish(puller.endpoint, "t2")
+        _, invalid = collect_until(puller, "req-t2")
+        assert invalid == set() and received_correctly(kv)
+    finally:
+        prefill.close()
+        puller.close()
+
+
+def test_revoking_a_stalled_pull_never_blocks_and_returns_blocks_after_the_read(
+        prefill_engine: TransferEngine) -> None:
+    prefill = Prefill(prefill_engine, deadline_s=10.0)
+    puller, _ = make_puller(1.5)
+    try:
+        register(puller, "t3")
+        prefill.fill(occupant=1)
+        prefill.publish(puller.endpoint, "t3")
+        time.sleep(0.3)  # the first read is now stalled inside the engine call
+        started = time.monotonic()
+        puller.start_step(RemoteD2HMetadata(revoked_recvs=("req-t3",)))  # vLLM's abort
+        done, _ = puller.collect()
+        assert time.monotonic() - started < 0.3  # the step thread did not wait for the read
+        assert "req-t3" not in done  # a read may still write the blocks: not handed back
+        done, _ = collect_until(puller, "req-t3")
+        assert time.monotonic() - started >= 1.0  # ... until that read ended
+    finally:
+        prefill.close()
+        puller.close()
