@@ -518,3 +518,45 @@ def test_tracker_under_concurrent_reports() -> None:
     succeeded, failed = tracker.pop_finished()
     assert succeeded == set(requests) - failing
     assert failed == {r: "p5: lost" for r in failing}
+
+
+class RecordingFence:
+    """A SlotFence that records, at each advance, whether a waiter could already see the end."""
+
+    def __init__(self, gates: SlotGates) -> None:
+        self.gates = gates
+        self.advanced: list[tuple[tuple[int, ...], bool]] = []
+
+    def advance(self, key: tuple[int, ...]) -> None:
+        # Called under the gate lock: the round's failure is not visible to anyone yet.
+        self.advanced.append((key, self.gates._rounds[key].error is not None))
+
+
+def test_a_failed_round_advances_the_slot_fence_before_waiters_see_it() -> None:
+    gates = SlotGates()
+    fence = RecordingFence(gates)
+    gates.attach_fence(fence)
+    gates.close((1,), ["save", "read"])
+    gates.mark_done((1,), "save")
+    gates.mark_failed((1,), "read", "deadline")
+    gates.mark_failed((1,), "read", "again")  # ignored: no second advance
+    assert fence.advanced == [((1,), False)]
+    with pytest.raises(SlotFailedError):
+        gates.wait((1,), 0)
+    gates.close((1,), ["read"])
+    gates.mark_done((1,), "read")  # a round that succeeds needs no advance
+    gates.close((2,), ["a", "b"])
+    gates.mark_failed((2,), "b", "x")
+    gates.mark_failed((2,), "a", "y")  # the round already failed: one advance per round
+    assert fence.advanced == [((1,), False), ((2,), False)]
+
+
+def test_one_fence_per_gate_table() -> None:
+    gates = SlotGates()
+    first = RecordingFence(gates)
+    gates.attach_fence(first)
+    gates.attach_fence(first)
+    with pytest.raises(GateStateError, match="slot fence is already attached"):
+        gates.attach_fence(RecordingFence(gates))
+    gates.attach_fence(None)
+    gates.attach_fence(RecordingFence(gates))
