@@ -265,6 +265,43 @@ def test_layout_mismatch_is_refused_at_the_handshake(deployment: Deployment) -> 
     assert again.ok, again.error
 
 
+def _scrape(url: str, name: str) -> float:
+    """The sum over every label set of one series on a vLLM server's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(values)
+
+
+def test_metrics_endpoint_counts_what_happened(deployment: Deployment) -> None:
+    """kvo's series on vLLM's own /metrics equal the connectors' accounting (the stats files
+    the demo reports from): bytes pulled by decode, layers saved and READYs sent by prefill."""
+    answer = _complete(deployment.proxy, _prompt("metrics", 260))
+    assert answer.ok, answer.error
+
+    def agree() -> tuple[tuple[float, float], ...] | None:
+        decode = deployment.stats("decode")["decode"]
+        prefill = deployment.stats("prefill")
+        pairs = (
+            (_scrape(deployment.decode, "vllm:kvo_remote_d2h_pulled_bytes_total"),
+             sum(layer["bytes"] for layer in decode["per_layer"].values())),
+            (_scrape(deployment.decode, "vllm:kvo_remote_d2h_requests_received_total"),
+             decode["received"]),
+            (_scrape(deployment.prefill, "vllm:kvo_layerwise_saved_bytes_total"),
+             prefill["layerwise"]["saved_bytes"]),
+            (_scrape(deployment.prefill, "vllm:kvo_remote_d2h_readys_published_total"),
+             prefill["remote"]["prefill"]["published_layers"]),
+        )
+        return pairs if all(got == want > 0 for got, want in pairs) else None
+
+    assert _eventually(agree, timeout_s=30), [
+        (_scrape(deployment.decode, "vllm:kvo_remote_d2h_pulled_bytes_total"),
+         deployment.stats("decode")["decode"]["per_layer"]),
+        _scrape(deployment.prefill, "vllm:kvo_layerwise_saved_bytes_total"),
+        deployment.stats("prefill")]
+
+
 def test_decode_killed_mid_request_prefill_recovers(deployment: Deployment) -> None:
     """Kill decode once it holds the destination; prefill's reads expire, buffers come back."""
     before = deployment.stats("prefill")["remote"]["prefill"]

@@ -20,6 +20,7 @@ from kvo_vllm.metrics import (
     build_prom_metrics,
     build_stats,
     make_stats,
+    remote_d2h_counters,
 )
 
 
@@ -41,6 +42,22 @@ def test_unknown_metric_names_are_refused() -> None:
 
 def test_layerwise_stats_name_every_layerwise_metric() -> None:
     assert set(LayerwiseStats().metric_counters()) == set(LAYERWISE_METRICS)
+
+
+def test_remote_d2h_counters_follow_the_stats_file_snapshot() -> None:
+    snapshot = {"prefill": {"handshakes": 1, "published_layers": 8, "published_bytes": 4096,
+                            "sends_done": 2, "sends_failed": 0, "handshake_failures": 0},
+                "decode": {"received": 2, "failed": 1, "deadline_failures": 0,
+                           "invalid_blocks_reported": 3,
+                           "per_layer": {"0": {"reads": 2, "bytes": 1024, "seconds": 0.01},
+                                         "1": {"reads": 1, "bytes": 512, "seconds": 0.02}}}}
+    counters = remote_d2h_counters(snapshot)
+    assert counters["remote_d2h_pulled_bytes"] == 1536
+    assert counters["remote_d2h_layers_pulled"] == 3
+    assert counters["remote_d2h_readys_published"] == 8
+    assert counters["remote_d2h_invalid_blocks"] == 3
+    assert set(counters) <= set(METRICS)
+    assert remote_d2h_counters({}) == {}
 
 
 def test_stats_aggregate_across_workers_and_steps() -> None:

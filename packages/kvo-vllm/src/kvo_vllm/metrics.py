@@ -66,6 +66,16 @@ LAYERWISE_METRICS = _catalog(
            "Seconds wait_for_save waited for the step's last saves."),
 )
 REMOTE_D2H_METRICS = _catalog(
+    Metric("remote_d2h_handshakes", "counter", "Prefill: handshakes with decode ranks."),
+    Metric("remote_d2h_handshake_failures", "counter", "Prefill: handshakes that failed."),
+    Metric("remote_d2h_readys_published", "counter",
+           "Prefill: layer READY batches published to decode."),
+    Metric("remote_d2h_published_bytes", "counter",
+           "Prefill: bytes of KV announced to decode in READYs."),
+    Metric("remote_d2h_sends_done", "counter",
+           "Prefill: requests whose every layer decode acknowledged."),
+    Metric("remote_d2h_sends_failed", "counter",
+           "Prefill: requests whose hand-off failed (READ_FAILED, deadline, lost decode)."),
     Metric("remote_d2h_requests_received", "counter",
            "Requests whose KV decode pulled completely."),
     Metric("remote_d2h_requests_failed", "counter",
@@ -80,6 +90,33 @@ REMOTE_D2H_METRICS = _catalog(
     Metric("remote_d2h_pull_latency_seconds", "histogram", "Time of one layer read (s)."),
 )
 METRICS: dict[str, Metric] = {**LAYERWISE_METRICS, **REMOTE_D2H_METRICS}
+
+
+def remote_d2h_counters(snapshot: Mapping[str, Any]) -> dict[str, float]:
+    """Cumulative remote-D2H counters from a RemoteD2HConnector's ``snapshot()`` (the same
+    numbers its stats file carries, so /metrics and the demo's accounting agree)."""
+    counters: dict[str, float] = {}
+    prefill = snapshot.get("prefill")
+    if prefill:
+        counters.update({
+            "remote_d2h_handshakes": prefill.get("handshakes", 0),
+            "remote_d2h_handshake_failures": prefill.get("handshake_failures", 0),
+            "remote_d2h_readys_published": prefill.get("published_layers", 0),
+            "remote_d2h_published_bytes": prefill.get("published_bytes", 0),
+            "remote_d2h_sends_done": prefill.get("sends_done", 0),
+            "remote_d2h_sends_failed": prefill.get("sends_failed", 0)})
+    decode = snapshot.get("decode")
+    if decode:
+        per_layer = decode.get("per_layer", {}).values()
+        counters.update({
+            "remote_d2h_requests_received": decode.get("received", 0),
+            "remote_d2h_requests_failed": decode.get("failed", 0),
+            "remote_d2h_deadline_failures": decode.get("deadline_failures", 0),
+            "remote_d2h_invalid_blocks": decode.get("invalid_blocks_reported", 0),
+            "remote_d2h_layers_pulled": sum(layer["reads"] for layer in per_layer),
+            "remote_d2h_pulled_bytes": sum(layer["bytes"] for layer in per_layer),
+            "remote_d2h_pull_seconds": sum(layer["seconds"] for layer in per_layer)})
+    return counters
 
 
 def _check_names(names: Iterable[str]) -> None:

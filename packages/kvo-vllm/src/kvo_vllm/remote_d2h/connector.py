@@ -42,6 +42,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvo_core.errors import ConfigError
 from kvo_core.gates import SlotGates, SlotKey
+from kvo_vllm.metrics import (
+    REMOTE_D2H_METRICS,
+    CounterDeltas,
+    KvoConnectorStats,
+    build_prom_metrics,
+    build_stats,
+    make_stats,
+    remote_d2h_counters,
+)
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata
 from kvo_vllm.remote_d2h.options import RemoteD2HOptions
@@ -109,6 +118,7 @@ class RemoteD2HConnector(KVConnectorBase_V1):
                                            faults=self.options.faults)
         self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
                                 else None, self.snapshot)
+        self._metric_deltas = CounterDeltas()
         logger.info("kvo RemoteD2HConnector (%s, %s)", role.name, transfer.kv_role)
 
     # ==== worker side ====================================================================
@@ -173,6 +183,24 @@ class RemoteD2HConnector(KVConnectorBase_V1):
         if self.puller is not None:
             data["decode"] = self.puller.snapshot()
         return data
+
+    # -- metrics through vLLM's KVConnectorStats / Prometheus (kvo_vllm.metrics) -----
+
+    def get_kv_connector_stats(self) -> KvoConnectorStats | None:
+        if self.sender is None and self.puller is None:
+            return None
+        return make_stats(self._metric_deltas.take(remote_d2h_counters(self.snapshot())))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return build_prom_metrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues, REMOTE_D2H_METRICS)
 
     # ==== scheduler side =================================================================
 

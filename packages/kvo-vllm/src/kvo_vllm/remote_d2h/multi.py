@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvo_core.errors import ConfigError
 from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
+from kvo_vllm.metrics import METRICS, KvoConnectorStats, build_prom_metrics, build_stats
 from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates
 from kvo_vllm.remote_d2h.stats_file import StatsFile
@@ -242,6 +243,29 @@ class KvoMultiConnector(KVConnectorBase_V1):
         return data
 
     # ==== scheduler side =================================================================
+
+    # -- metrics: both halves' series, one payload (kvo_vllm.metrics) ----------------
+
+    def get_kv_connector_stats(self) -> KvoConnectorStats | None:
+        parts = [part for part in (self.remote.get_kv_connector_stats(),
+                                   self.layerwise.get_kv_connector_stats()) if part is not None]
+        if not parts:
+            return None
+        total = build_stats(None)
+        for part in parts:
+            total.aggregate(part)
+        return total
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return build_prom_metrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues, METRICS)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
