@@ -235,3 +235,26 @@ def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> 
     forward(worker, caches, step_meta(save=[(1, "h/late"), (2, "b2")]), {1: 1.0, 2: 2.0})
     assert worker.take_load_errors() == set()
     assert all(KEYS.key("b2", i) in store.values for i in range(6))
+
+
+def test_requests_that_lost_a_load_are_named_from_that_layer_on(rig) -> None:
+    """What KvoMultiConnector asks before publishing a layer to decode: a request whose load
+    failed at layer 3 attended over another layer's KV from there on, so layers 3.. of it must
+    not be handed on; the healthy request is never named."""
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}
+    tainted = RequestTransfers(request_id="r", load_shared_layers=(BlockRef(1, "b1"),),
+                               save=(BlockRef(2, "b2"),))
+    healthy = RequestTransfers(request_id="s", save=(BlockRef(3, "c3"),))
+    named: dict[str, set[str]] = {}
+    worker.start_step(two_request_meta(tainted, healthy))
+    for name in NAMES:
+        worker.before_attention(name)
+        named[name] = worker.requests_with_failed_loads()  # before save_kv_layer publishes
+        worker.after_attention(name)
+    worker.finish_step()
+    assert [named[n] for n in NAMES] == [set()] * 3 + [{"r"}] * (len(NAMES) - 3)
+    assert worker.take_load_errors() == {1}
+    forward(worker, caches, step_meta(save=[(2, "b2")]), {2: 2.0})
+    assert worker.requests_with_failed_loads() == set()  # a new step starts clean

@@ -223,6 +223,16 @@ class LayerwiseWorker:
         self._save_futures = []
         self._meta = None
 
+    def requests_with_failed_loads(self) -> set[str]:
+        """Requests of this step that lost a load so far: from that layer on their KV is wrong
+        (see ``_trusted_saves``), so nothing may hand it on (e.g. to a remote decode)."""
+        if not self._step_failed or self._meta is None:
+            return set()
+        failed = self._step_failed
+        return {request.request_id for request in self._meta.requests
+                if any(ref.block_id in failed
+                       for ref in (*request.load_every_layer, *request.load_shared_layers))}
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors

@@ -190,6 +190,13 @@ class KvoMultiConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
+        # A request that lost a store load (this layer or an earlier one) attended over another
+        # layer's KV: its layers are not published to decode from here on (the decode's pull
+        # then fails and it recomputes; a published one would be taken as valid).
+        failed = self.layerwise.worker.requests_with_failed_loads()
+        if failed and self.remote.sender is not None:
+            self.remote.sender.give_up_requests(
+                failed, f"a store load failed before layer {layer_name} was published")
         self.remote.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         self._parts[layer_name] = list(self.remote.last_parts)
         self.layerwise.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)

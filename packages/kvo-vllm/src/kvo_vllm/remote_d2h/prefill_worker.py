@@ -250,6 +250,16 @@ class PrefillSender:
             parts.append(part)
         return parts
 
+    def give_up_requests(self, request_ids: set[str], reason: str) -> None:
+        """Publish nothing more of these vLLM requests: their KV is not to be trusted."""
+        with self._lock:
+            sends = [s for s in self._sends.values()
+                     if s.request_id in request_ids and s.failure is None]
+        for send in sends:
+            logger.error("kvo remote_d2h: not sending request %s any further: %s",
+                         send.request_id, reason)
+            self._give_up(send, reason)
+
     def _publish(self, decode_tp: int, index: int, key: SlotKey, chunks: list[SendChunk],
                  last_layer: bool) -> None:
         publisher = self._publisher(decode_tp)
