@@ -223,6 +223,18 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def soak(session: nox.Session) -> None:
+    """Fault soak of the P/D flow (tools/soak.py; not part of ``tests``): ``-- --requests 50``."""
+    ensure_debian_packages(session, "libibverbs1")
+    env = full_venv(session)
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    argv = ("python", str(ROOT / "tools" / "soak.py"), "--json", str(out / "soak.json"),
+            *session.posargs)
+    session.run(*in_loopback_namespace(*argv), env=env, external=True)
+
+
+@nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff over the tree; mypy --strict over all four packages.
 

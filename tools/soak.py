@@ -1,0 +1,311 @@
+"""Fault soak of the P/D flow: many requests through the proxy while faults are injected at random.
+
+Starts the demo's deployment (Mooncake master, plain vLLM as the reference, prefill with
+KvoMultiConnector, decode with RemoteD2HConnector, the proxy; the control plane authenticated
+with a secret) and sends ``--requests`` greedy requests drawn from a fixed prompt set. Before
+roughly ``--fault-rate`` of them one fault is injected, drawn at random:
+
+- ``failed_read``: the decode's next engine reads fail (its test-only fault file);
+- ``slow_read``: every decode read first sleeps 0.3 s (slow, within the layer deadline);
+- ``bad_frames``: forged, replayed-looking, MAC-less and garbage frames hit the decode's control
+  socket from a raw ZMQ peer while the request runs;
+- ``bad_notify``: unsigned and forged POSTs hit the proxy's notify endpoint;
+- ``master_killed``: the Mooncake master is killed before the request and restarted after it
+  (the prefill's store saves and loads fail fast: circuit breaker);
+- ``decode_killed``: the decode vLLM is killed while the request runs, then restarted (at most
+  ``--max-decode-kills`` times: a restart takes a minute here).
+
+Each answer is compared with the plain vLLM's answer to the same prompt (token ids): identical,
+failed cleanly (an error status), wrong (a different answer: must be 0) or hung (no answer
+within ``--timeout``: must be 0). A prefill or decode that dies without being killed by the soak
+is counted (``crashes``), its log tail kept in the JSON, and restarted so the soak goes on.
+Prints the table and writes JSON. Not part of ``nox -s tests``: ``nox -s soak``
+(``-- --requests 50`` for a shorter run). Exit 0 when wrong == hung == crashes == 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pd.client import Answer, complete, completion_body
+from pd.cluster import (
+    Cluster,
+    Managed,
+    decode_transfer_config,
+    free_port,
+    prefill_transfer_config,
+    reexec_in_namespace,
+    start_master,
+    stopping_on_signals,
+    wait_healthy,
+)
+
+NUM_LAYERS = 4
+MAX_TOKENS = 6
+SECRET = "soak control secret, test only"
+TEXT = ("A soak sends many requests while things break underneath; every answer must be the "
+        "plain answer or a clean failure. ")
+FAULTS = ("failed_read", "slow_read", "bad_frames", "bad_notify", "master_killed",
+          "decode_killed")
+
+
+def _prompts(count: int) -> list[str]:
+    rng = random.Random(7)
+    return [(f"soak {i}: " + TEXT * 40)[:rng.randint(40, 1200)] for i in range(count)]
+
+
+class Deployment:
+    """The processes of the soak, with what the faults need to restart them."""
+
+    def __init__(self, workdir: Path, cluster: Cluster, model: Path) -> None:
+        self.workdir = workdir
+        self.cluster = cluster
+        self.model = model
+        self.faults_file = workdir / "faults.json"
+        self.faults_file.write_text("{}")
+        self.kv_port = free_port()
+        self.decode_port = free_port()
+        self.master = start_master()
+        self.plain = cluster.start_vllm("plain", model, free_port())
+        self.prefill_port = free_port()
+        self.prefill = self._start_prefill()
+        self.decode = self._start_decode()
+        self.proxy = cluster.start_proxy(free_port(), self.prefill.url or "",
+                                         self.decode.url or "", extra_args=["--ready-timeout",
+                                                                            "30"])
+        wait_healthy([self.plain, self.prefill, self.decode, self.proxy], 900,
+                     progress=lambda note: print(f"  {note}", flush=True))
+
+    def _start_prefill(self) -> Managed:
+        return self.cluster.start_vllm("prefill", self.model, self.prefill_port,
+                                       prefill_transfer_config(
+                                           self.master.address, self.kv_port,
+                                           self.workdir / "prefill-stats.json",
+                                           layer_deadline_s=10.0, handshake_timeout_s=10.0))
+
+    def restart_dead(self) -> list[tuple[str, str]]:
+        """Restart a prefill or decode that died on its own; (name, log tail) of each."""
+        dead = []
+        for name in ("prefill", "decode"):
+            managed = getattr(self, name)
+            if managed.alive():
+                continue
+            dead.append((name, managed.log_tail(4000)))
+            self.cluster.processes.remove(managed)
+            setattr(self, name, self._start_prefill() if name == "prefill"
+                    else self._start_decode())
+            wait_healthy([getattr(self, name)], 900)
+        return dead
+
+    def _start_decode(self) -> Managed:
+        config = decode_transfer_config(self.kv_port, self.workdir / "decode-stats.json",
+                                        layer_deadline_s=10.0, handshake_timeout_s=10.0,
+                                        faults={"control_file": str(self.faults_file)},
+                                        read_retries=0)
+        return self.cluster.start_vllm("decode", self.model, self.decode_port, config)
+
+    def restart_decode(self) -> None:
+        self.cluster.processes.remove(self.decode)
+        self.decode = self._start_decode()
+        wait_healthy([self.decode], 900)
+
+    def restart_master(self) -> None:
+        port = self.master.rpc_port
+        from pd.cluster import STORE_LEASE_MS
+
+        from kvo_transport.mooncake_master import MooncakeMaster
+
+        self.master = MooncakeMaster(rpc_port=port,
+                                     default_kv_lease_ttl_ms=STORE_LEASE_MS).start()
+
+    def decode_control_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_port}"
+
+
+def _bad_frames(endpoint: str, stop: threading.Event) -> None:
+    """Frames no authenticated decode may act on, until ``stop``."""
+    import zmq
+
+    from kvo_transport.frame_auth import AuthCounters, ControlKey, PrefillChannel
+    from kvo_transport.protocol import PROTOCOL_VERSION, ReadReadyBatch, ReadyRequest, encode
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    ready = encode(ReadReadyBatch(version=PROTOCOL_VERSION, seq=1, layer_index=0,
+                                  layer_name="model.layers.0.self_attn.attn", member=0, ratio=1,
+                                  requests=(ReadyRequest("x", 0, 1, (0,)),)))
+    forger = PrefillChannel(ControlKey.from_secret("not the soak's secret!"), AuthCounters())
+    frames = [ready, b"\x00garbage", b"KVA1" + bytes(80), forger.seal_hello(ready)]
+    try:
+        while not stop.wait(0.05):
+            sock.send(random.choice(frames))
+    finally:
+        sock.close()
+        context.term()
+
+
+def _bad_notify(proxy: str) -> None:
+    body = json.dumps({"kind": "prefill_failed", "transfer_id": "x", "error": "forged"}).encode()
+    for headers in ({}, {"X-Kvo-Auth": "v1 0011223344556677.1." + "0" * 64}):
+        request = urllib.request.Request(proxy + "/kvo/v1/notify", data=body, method="POST",
+                                         headers={"content-type": "application/json",
+                                                  **headers})
+        try:
+            urllib.request.urlopen(request, timeout=10).read()
+        except Exception:  # 401 expected: the proxy refuses them
+            pass
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from models.tiny_llama import build_tiny_llama
+
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-soak-"))
+    os.environ["KVO_CONTROL_SECRET"] = SECRET  # engines and proxy inherit it
+    model = build_tiny_llama(workdir / "model", num_layers=NUM_LAYERS)
+    counts: collections.Counter[str] = collections.Counter()
+    faults: collections.Counter[str] = collections.Counter()
+    wrong_examples: list[dict[str, Any]] = []
+    crashes: list[dict[str, Any]] = []
+    with stopping_on_signals(), Cluster(workdir / "logs") as cluster:
+        print("starting the deployment ...", flush=True)
+        deployment = Deployment(workdir, cluster, model)
+        try:
+            prompts = _prompts(args.prompts)
+            reference = {}
+            for prompt in prompts:
+                answer = complete(deployment.plain.url or "", completion_body(
+                    prompt, MAX_TOKENS, stream=False), timeout_s=args.timeout)
+                assert answer.ok, answer.error
+                reference[prompt] = answer.token_ids
+            print(f"reference answers for {len(prompts)} prompts; soaking ...", flush=True)
+            for i in range(args.requests):
+                prompt = rng.choice(prompts)
+                fault = rng.choice(FAULTS) if rng.random() < args.fault_rate else None
+                if fault == "decode_killed" and faults["decode_killed"] >= args.max_decode_kills:
+                    fault = "failed_read"
+                answer = _one(deployment, prompt, fault, args, rng)
+                if fault is not None:
+                    faults[fault] += 1
+                if answer.ok and answer.token_ids == reference[prompt]:
+                    outcome = "identical"
+                elif answer.ok:
+                    outcome = "wrong"
+                    wrong_examples.append({"i": i, "fault": fault, "got": answer.token_ids,
+                                           "want": reference[prompt]})
+                elif answer.total_s >= args.timeout * 0.99:
+                    outcome = "hung"
+                else:
+                    outcome = "failed_cleanly"
+                counts[outcome] += 1
+                for name, tail in deployment.restart_dead():
+                    crashes.append({"i": i, "process": name, "fault": fault, "log_tail": tail})
+                    print(f"  {name} died on its own at request {i} (fault {fault}); restarted",
+                          flush=True)
+                if (i + 1) % 25 == 0:
+                    print(f"  {i + 1} requests: {dict(counts)}; faults {dict(faults)}",
+                          flush=True)
+        finally:
+            deployment.master.stop()
+    return {"requests": args.requests, "faults": dict(faults),
+            "identical": counts["identical"], "failed_cleanly": counts["failed_cleanly"],
+            "wrong": counts["wrong"], "hung": counts["hung"], "crashes": len(crashes),
+            "crash_details": crashes, "wrong_examples": wrong_examples,
+            "workdir": str(workdir)}
+
+
+def _one(deployment: Deployment, prompt: str, fault: str | None, args: argparse.Namespace,
+         rng: random.Random) -> Answer:
+    body = completion_body(prompt, MAX_TOKENS, stream=rng.random() < 0.5)
+
+    def send() -> Answer:
+        return complete(deployment.proxy.url or "", body, timeout_s=args.timeout)
+
+    if fault in ("failed_read", "slow_read"):
+        setting = {"fail_reads": 2} if fault == "failed_read" else {"stall_reads_s": 0.3}
+        deployment.faults_file.write_text(json.dumps(setting))
+        time.sleep(0.3)  # the decode reads its fault file when it changes
+        try:
+            return send()
+        finally:
+            deployment.faults_file.write_text("{}")
+            time.sleep(0.3)
+    if fault == "bad_frames":
+        return _alongside(send, lambda stop: _bad_frames(deployment.decode_control_endpoint(),
+                                                         stop))
+    if fault == "bad_notify":
+        _bad_notify(deployment.proxy.url or "")
+        return send()
+    if fault == "master_killed":
+        process = deployment.master._process
+        assert process is not None
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        deployment.master._cleanup()
+        try:
+            return send()
+        finally:
+            deployment.restart_master()
+    if fault == "decode_killed":
+        killer = threading.Timer(rng.uniform(0.05, 0.5), deployment.decode.kill)
+        killer.start()
+        try:
+            return send()
+        finally:
+            killer.join()
+            deployment.restart_decode()
+    return send()
+
+
+def _alongside(send: Callable[[], Answer], noise: Callable[[threading.Event], None]) -> Answer:
+    stop = threading.Event()
+    thread = threading.Thread(target=noise, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        return send()
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--fault-rate", type=float, default=0.3)
+    parser.add_argument("--max-decode-kills", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    reexec_in_namespace([str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
+    result = run(args)
+    print()
+    print(f"{'requests':<28}{result['requests']:>6}")
+    for kind in FAULTS:
+        print(f"{'faults: ' + kind:<28}{result['faults'].get(kind, 0):>6}")
+    for key in ("identical", "failed_cleanly", "wrong", "hung"):
+        print(f"{'answers ' + key:<28}{result[key]:>6}")
+    print(f"{'engines died on their own':<28}{result['crashes']:>6}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0 if result["wrong"] == result["hung"] == result["crashes"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
