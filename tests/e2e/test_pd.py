@@ -39,6 +39,7 @@ pytestmark = pytest.mark.skipif(
            "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
            "nox -s e2e does this)")
 
+HERE = Path(__file__).resolve().parent
 NUM_LAYERS = 8
 MAX_TOKENS = 8
 DEADLINE_S = 15.0
@@ -97,9 +98,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             prefill = cluster.start_vllm("prefill", model, free_port(), prefill_transfer_config(
                 master.address, kv_port, workdir / "prefill-stats.json",
                 layer_deadline_s=DEADLINE_S, handshake_timeout_s=DEADLINE_S))
+            # Faults come from the test-only engine wrapper next to this file.
             decode = cluster.start_vllm("decode", model, free_port(), decode_transfer_config(
                 kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                faults={"control_file": str(faults)}, read_retries=0))
+                engine_wrapper={"factory": "faulty_engine:wrap",
+                                "options": {"control_file": str(faults)}}, read_retries=0),
+                env={"PYTHONPATH": os.pathsep.join(
+                    filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
             # Twice the block size: a decode block is two prefill blocks' bytes.
             mismatch = cluster.start_vllm(
                 "mismatch", model, free_port(),
@@ -223,7 +228,7 @@ def test_corrupted_transfer_changes_the_output(deployment: Deployment) -> None:
     finally:
         deployment.set_faults()
     assert damaged.ok, damaged.error
-    assert deployment.stats("decode")["decode"]["corrupted_bytes"] > 0
+    assert deployment.stats("decode")["decode"]["engine_wrapper"]["corrupted_bytes"] > 0
     assert damaged.token_ids != warm.token_ids
     # The fault was in the transfer only: the next pull is right again.
     _reset_prefix_cache(deployment.decode)
@@ -243,7 +248,8 @@ def test_failed_pull_is_recomputed_not_garbage(deployment: Deployment) -> None:
         deployment.set_faults()
     time.sleep(1.0)
     after = deployment.stats("decode")["decode"]
-    assert after["injected_failures"] > before["injected_failures"]
+    assert after["engine_wrapper"]["injected_failures"] > \
+        before["engine_wrapper"].get("injected_failures", 0)
     assert after["failed"] == before["failed"] + 1
     assert after["invalid_blocks_reported"] > before["invalid_blocks_reported"]
     # vLLM's load-failure path recomputed the whole prompt on decode: the cold answer.

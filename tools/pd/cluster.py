@@ -303,7 +303,7 @@ def prefill_transfer_config(store_master: str, kv_port: int, stats_file: Path | 
 
 def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                            layer_deadline_s: float = 60.0, handshake_timeout_s: float = 30.0,
-                           faults: Mapping[str, Any] | None = None,
+                           engine_wrapper: Mapping[str, Any] | None = None,
                            failure_policy: str = "recompute",
                            read_retries: int = 2) -> dict[str, Any]:
     """RemoteD2HConnector on decode; a failed pull is recomputed (``failure_policy``)."""
@@ -312,8 +312,8 @@ def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                              "read_retries": read_retries}
     if stats_file is not None:
         extra["stats_file"] = str(stats_file)
-    if faults:
-        extra["fault_injection"] = dict(faults)
+    if engine_wrapper:  # e.g. the tests' fault injection (tests/e2e/faulty_engine.py)
+        extra["engine_wrapper"] = dict(engine_wrapper)
     return {"kv_connector": "RemoteD2HConnector",
             "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_consumer",
             "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": extra}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates
 from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
 from kvo_transport.engine import TransferEngine, create_transfer_engine
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+from kvo_vllm.remote_d2h.guarded_engine import LayerRegion
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
-from kvo_vllm.remote_d2h.options import FaultInjection
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("KVO_IN_NETNS") != "1",
@@ -106,11 +107,43 @@ class Prefill:
             self.engine.unregister(tensor.data_ptr())
 
 
+class SlowEngine:
+    """Test-only ``engine_wrapper``: every read into the KV layers first sleeps ``stall_s``
+    (a decode that is slow, not dead); other reads (the fence words) are not delayed."""
+
+    def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion],
+                 stall_s: float) -> None:
+        self._engine, self._stall_s = engine, stall_s
+        self._spans = [(layer.base, layer.end) for layer in layers]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
+
+    @property
+    def protocol(self) -> str:
+        return self._engine.protocol
+
+    @property
+    def session_id(self) -> str:
+        return self._engine.session_id
+
+    def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        if any(start <= local_addrs[0] < end for start, end in self._spans):
+            time.sleep(self._stall_s)
+        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+
+
 def make_puller(stall_s: float) -> tuple[DecodePuller, dict[str, torch.Tensor]]:
     config = RemoteD2HConfig(kv_port=free_port(), layer_deadline_s=30.0,
                              handshake_timeout_s=30.0, read_retries=0)
     puller = DecodePuller(config=config, tp_rank=0, tp_size=1, dp_rank=0,
-                          faults=FaultInjection(stall_reads_s=stall_s))
+                          engine_wrapper=lambda engine, layers: SlowEngine(  # type: ignore[return-value]
+                              engine, layers, stall_s))
     kv = {layer(i): torch.full((BLOCKS, *BLOCK_SHAPE), -1.0) for i in range(LAYERS)}
     puller.register_kv_caches(kv)
     return puller, kv

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
-from pathlib import Path
 
 import pytest
 
 from kvo_core.errors import SlotFailedError
-from kvo_transport.errors import TransferError
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
-from kvo_vllm.remote_d2h.guarded_engine import CORRUPT_BYTE, GuardedEngine, LayerRegion
-from kvo_vllm.remote_d2h.options import FaultInjection
+from kvo_vllm.remote_d2h.guarded_engine import GuardedEngine, LayerRegion
 
 KEY = (0x1000,)
 
@@ -98,13 +94,12 @@ def memory() -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(2 * 4 * BLOCK)  # two layers of four blocks
 
 
-def _guard(memory: ctypes.Array[ctypes.c_char],
-           faults: FaultInjection | None = None) -> tuple[GuardedEngine, FakeEngine, int]:
+def _guard(memory: ctypes.Array[ctypes.c_char]) -> tuple[GuardedEngine, FakeEngine, int]:
     base = ctypes.addressof(memory)
     layers = [LayerRegion(index=i, base=base + i * 4 * BLOCK, block_bytes=BLOCK, num_blocks=4)
               for i in range(2)]
     fake = FakeEngine()
-    return GuardedEngine(fake, layers, faults), fake, base  # type: ignore[arg-type]
+    return GuardedEngine(fake, layers), fake, base  # type: ignore[arg-type]
 
 
 def test_reads_are_counted_per_layer_and_other_reads_are_not(
@@ -117,23 +112,3 @@ def test_reads_are_counted_per_layer_and_other_reads_are_not(
     guard.read("p", [base + 2 * 4 * BLOCK + 64], [1], [8])  # e.g. a fence read: elsewhere
     assert len(fake.reads) == 4 and sorted(guard.per_layer) == [0, 1]
     assert guard.per_layer[1].reads == 2 and guard.per_layer[1].bytes == 3 * BLOCK
-
-
-def test_fault_injection_fails_then_corrupts(memory: ctypes.Array[ctypes.c_char],
-                                             tmp_path: Path) -> None:
-    control = tmp_path / "faults.json"
-    guard, _, base = _guard(memory, FaultInjection(fail_reads=1,
-                                                   control_file=str(control)))
-    with pytest.raises(TransferError, match="fault injection"):
-        guard.read("p", [base], [1], [BLOCK])
-    guard.read("p", [base], [1], [BLOCK])
-    assert memory.raw[:BLOCK] == bytes(BLOCK)
-    control.write_text(json.dumps({"corrupt_reads": True}))
-    guard.read("p", [base + BLOCK], [1], [BLOCK])
-    assert memory.raw[BLOCK:2 * BLOCK] == bytes([CORRUPT_BYTE]) * BLOCK
-    assert guard.corrupted_bytes == BLOCK and guard.injected_failures == 1
-    control.write_text(json.dumps({"fail_reads": 2, "corrupt_reads": False}))
-    for _ in range(2):
-        with pytest.raises(TransferError):
-            guard.read("p", [base], [1], [BLOCK])
-    guard.read("p", [base], [1], [BLOCK])

@@ -8,8 +8,8 @@ Load it in vLLM with::
                      kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"kv_port": 20100, ...})
 
-The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and (tests only)
-``fault_injection`` (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
+The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
+(``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
 its ``kv_transfer_params`` (``kvo_vllm.remote_d2h.params``), which the kvo proxy sets:
 ``do_remote_decode`` on prefill, ``do_remote_prefill`` on decode.
 
@@ -115,7 +115,9 @@ class RemoteD2HConnector(KVConnectorBase_V1):
                 self.puller = DecodePuller(config=self.options.config, tp_rank=tp_rank,
                                            tp_size=tp_size,
                                            dp_rank=parallel.data_parallel_rank,
-                                           faults=self.options.faults)
+                                           engine_wrapper=(
+                                               None if self.options.engine_wrapper is None
+                                               else self.options.engine_wrapper.load()))
         self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
                                 else None, self.snapshot)
         self._metric_deltas = CounterDeltas()

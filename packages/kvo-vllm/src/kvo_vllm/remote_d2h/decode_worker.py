@@ -39,10 +39,9 @@ from kvo_transport.control import (
 )
 from kvo_transport.engine import create_transfer_engine
 from kvo_transport.frame_auth import control_key
-from kvo_vllm.remote_d2h.guarded_engine import GuardedEngine, LayerRegion
+from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
-from kvo_vllm.remote_d2h.options import FaultInjection
 from kvo_vllm.remote_d2h.params import DecodeReady
 
 logger = logging.getLogger(__name__)
@@ -118,12 +117,12 @@ class DecodePuller:
     """Owns the decode rank's engine, receiver and destinations (one per worker)."""
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
-                 faults: FaultInjection) -> None:
+                 engine_wrapper: EngineWrapper | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
-        self.faults = faults
+        self._engine_wrapper = engine_wrapper
         self.stats = DecodeStats()
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}  # transfer id -> state
@@ -172,7 +171,8 @@ class DecodePuller:
         for start, end in merged_regions((r.base, r.end) for r in regions):
             raw.register(start, end - start)
             self._registered.append(start)
-        self._engine = GuardedEngine(raw, regions, self.faults)
+        wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
+        self._engine = GuardedEngine(wrapped, regions)
         self._receiver = DecodeReceiver(
             engine=self._engine, layout=DecodeLayout(dest_layers), resolve=self._resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
@@ -342,8 +342,7 @@ class DecodePuller:
                 **attrs.asdict(self.stats), "per_layer": per_layer,
                 "refused_reads": (0 if self._receiver is None
                                   else self._receiver.destinations.refused_reads),
-                "injected_failures": 0 if engine is None else engine.injected_failures,
-                "corrupted_bytes": 0 if engine is None else engine.corrupted_bytes,
+                "engine_wrapper": _wrapper_snapshot(engine),
                 "in_flight": len(self._recvs),
                 "returning": len(self._returning),
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads}
@@ -355,3 +354,9 @@ class DecodePuller:
         self._notifier.close()
         if self._engine is not None:
             self._engine.close()
+
+
+def _wrapper_snapshot(engine: GuardedEngine | None) -> dict[str, object]:
+    """A configured engine wrapper's own counters, when it keeps any (``snapshot()``)."""
+    snapshot = getattr(engine.inner, "snapshot", None) if engine is not None else None
+    return dict(snapshot()) if callable(snapshot) else {}

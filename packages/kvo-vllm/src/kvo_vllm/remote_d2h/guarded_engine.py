@@ -2,31 +2,21 @@
 
 The counts are the demo's "per-layer transfer time". Revocation lives in the transport
 (kvo_transport.destinations, owned by the DecodeReceiver): no lock is held across a read here,
-so nothing waits behind a stalled transfer. The wrapper still carries the test-only fault
-injection.
+so nothing waits behind a stalled transfer. An operator-chosen ``engine_wrapper`` (options.py)
+sits between this and the real engine; kvo ships none (the tests bring their fault injection).
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import json
-import logging
-import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import TransferError
-from kvo_vllm.remote_d2h.options import FaultInjection
-
-logger = logging.getLogger(__name__)
-
-CORRUPT_BYTE = 0x3F
-"""Fills corrupted ranges: as float32 every element becomes ~0.75, far from real KV."""
 
 
 @attrs.frozen
@@ -43,6 +33,10 @@ class LayerRegion:
         return self.base + self.block_bytes * self.num_blocks
 
 
+EngineWrapper = Callable[[TransferEngine, Sequence[LayerRegion]], TransferEngine]
+"""(decode's engine, its layer regions) -> the engine the receiver reads through."""
+
+
 @attrs.define
 class LayerTransferStats:
     reads: int = 0
@@ -51,20 +45,19 @@ class LayerTransferStats:
 
 
 class GuardedEngine:
-    """A TransferEngine for the decode receiver: per-layer stats, fault injection."""
+    """A TransferEngine for the decode receiver that counts each layer's reads."""
 
-    def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion],
-                 faults: FaultInjection | None = None) -> None:
+    def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion]) -> None:
         self._engine = engine
         self._lock = threading.Lock()
         self._layers = sorted(layers, key=lambda layer: layer.base)
         self._bases = [layer.base for layer in self._layers]
-        self._faults = faults or FaultInjection()
-        self._failures_left = self._faults.fail_reads
-        self._control_stamp: tuple[int, int] | None = None
         self.per_layer: dict[int, LayerTransferStats] = {}
-        self.injected_failures = 0
-        self.corrupted_bytes = 0
+
+    @property
+    def inner(self) -> TransferEngine:
+        """The engine this one reads through (a configured wrapper, else the real one)."""
+        return self._engine
 
     # -- the TransferEngine surface the receiver uses -------------------------------------
 
@@ -88,50 +81,11 @@ class GuardedEngine:
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
-        data = bool(local_addrs) and self._layer_of(local_addrs[0]) is not None
-        with self._lock:  # the fault state only: the read itself runs outside any lock
-            if self._faults.control_file is not None:
-                self._reload_faults(self._faults.control_file)
-            if self._failures_left > 0:
-                self._failures_left -= 1
-                self.injected_failures += 1
-                raise TransferError("fault injection: this read was failed on purpose")
-            stall = self._faults.stall_reads_s if data else 0.0
-            corrupt = self._faults.corrupt_reads and data  # KV bytes, not a fence's words
-        if stall > 0:
-            time.sleep(stall)
         started = time.perf_counter()
         self._engine.read(peer, local_addrs, remote_addrs, lengths)
         elapsed = time.perf_counter() - started
         with self._lock:
-            if corrupt:
-                for address, length in zip(local_addrs, lengths, strict=True):
-                    ctypes.memset(address, CORRUPT_BYTE, length)
-                    self.corrupted_bytes += length
             self._account(local_addrs, lengths, elapsed)
-
-    def _reload_faults(self, path: str) -> None:
-        """Apply the control file's settings when it changed (lock held)."""
-        try:
-            stat = os.stat(path)
-        except OSError:
-            return
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp == self._control_stamp:
-            return
-        self._control_stamp = stamp
-        try:
-            with open(path) as source:
-                faults = FaultInjection.from_value(json.load(source), allow_control_file=False)
-        except (OSError, ValueError) as error:
-            logger.error("kvo fault injection: ignoring control file %s: %s", path, error)
-            return
-        self._faults = FaultInjection(corrupt_reads=faults.corrupt_reads,
-                                      fail_reads=faults.fail_reads, control_file=path,
-                                      stall_reads_s=faults.stall_reads_s)
-        self._failures_left = faults.fail_reads
-        logger.warning("kvo fault injection now: corrupt_reads=%s fail_reads=%d",
-                       faults.corrupt_reads, faults.fail_reads)
 
     def write(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
               lengths: Sequence[int]) -> None:

@@ -4,76 +4,71 @@
 
 - ``stats_file``: a path the connector rewrites with its counters as JSON (the demo and the
   benchmark read it; vLLM runs the connector in another process);
-- ``fault_injection``: test-only faults on decode's data path, ``{"corrupt_reads": bool,
-  "fail_reads": int, "control_file": path}`` (corrupt every pulled byte range after it
-  arrived; fail the first N engine reads; or read those two settings from a JSON file whenever
-  it changes, so a test can switch faults on and off in a running server). They exist so
-  end-to-end tests can show that a damaged transfer changes the output and that a failed one
-  ends in recompute, with the real engines in other processes.
+- ``engine_wrapper``: ``{"factory": "module:callable", "options": {...}}``, a callable that
+  wraps decode's transfer engine (``EngineWrapperSpec``). kvo ships none; the end-to-end tests
+  use it to inject faults (tests/e2e/faulty_engine.py) into a running server.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper
+
 STATS_FILE = "stats_file"
-FAULT_INJECTION = "fault_injection"
-OWN_KEYS = (STATS_FILE, FAULT_INJECTION)
+ENGINE_WRAPPER = "engine_wrapper"
+OWN_KEYS = (STATS_FILE, ENGINE_WRAPPER)
 
 
 @attrs.frozen
-class FaultInjection:
-    """Deliberate decode-side transfer faults (tests only; all off by default)."""
+class EngineWrapperSpec:
+    """``engine_wrapper``: ``{"factory": "module:callable", "options": {...}}``.
 
-    corrupt_reads: bool = False
-    fail_reads: int = 0
-    control_file: str | None = None
-    stall_reads_s: float = 0.0  # every read first sleeps this long: a decode that stops answering
+    The callable is called as ``factory(engine, layer_regions, **options)`` once decode's
+    transfer engine exists and returns the engine the receiver reads through. An extension
+    point (tracing, or a test's fault injection); kvo ships no wrapper.
+    """
 
-    @property
-    def active(self) -> bool:
-        return (self.corrupt_reads or self.fail_reads > 0 or self.control_file is not None
-                or self.stall_reads_s > 0)
+    factory: str
+    options: Mapping[str, Any] = attrs.Factory(dict)
 
     @classmethod
-    def from_value(cls, value: Any, *, allow_control_file: bool = True) -> FaultInjection:
+    def from_value(cls, value: Any) -> EngineWrapperSpec | None:
         if value is None:
-            return cls()
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{FAULT_INJECTION} must be a mapping like "
-                              f"{{'corrupt_reads': true, 'fail_reads': 2}}, got {value!r}")
-        known = ("corrupt_reads", "fail_reads", "stall_reads_s",
-                 *(("control_file",) if allow_control_file
-                                                   else ()))
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ConfigError(f"{FAULT_INJECTION}: unknown key(s) {unknown}; known keys: "
-                              f"{', '.join(known)}")
-        corrupt = value.get("corrupt_reads", False)
-        fail = value.get("fail_reads", 0)
-        if not isinstance(corrupt, bool):
-            raise ConfigError(f"{FAULT_INJECTION}.corrupt_reads must be true or false, "
-                              f"got {corrupt!r}")
-        if not isinstance(fail, int) or isinstance(fail, bool) or fail < 0:
-            raise ConfigError(f"{FAULT_INJECTION}.fail_reads must be an integer >= 0, "
-                              f"got {fail!r}")
-        stall = value.get("stall_reads_s", 0.0)
-        if (not isinstance(stall, (int, float)) or isinstance(stall, bool)
-                or not 0 <= stall <= 600):
-            raise ConfigError(f"{FAULT_INJECTION}.stall_reads_s must be a number of seconds in "
-                              f"[0, 600], got {stall!r}")
-        control = value.get("control_file")
-        if control is not None and (not isinstance(control, str) or not control):
-            raise ConfigError(f"{FAULT_INJECTION}.control_file must be a file path, "
-                              f"got {control!r}")
-        return cls(corrupt_reads=corrupt, fail_reads=fail, control_file=control,
-                   stall_reads_s=float(stall))
+            return None
+        if not isinstance(value, Mapping) or set(value) - {"factory", "options"}:
+            raise ConfigError(f"{ENGINE_WRAPPER} must be a mapping with keys 'factory' "
+                              f"('module:callable') and optionally 'options', got {value!r}")
+        factory = value.get("factory")
+        if not isinstance(factory, str) or factory.count(":") != 1 \
+                or not all(factory.split(":")):
+            raise ConfigError(f"{ENGINE_WRAPPER}.factory must be 'module:callable', "
+                              f"got {factory!r}")
+        options = value.get("options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{ENGINE_WRAPPER}.options must be a mapping, got {options!r}")
+        return cls(factory=factory, options=dict(options))
+
+    def load(self) -> EngineWrapper:
+        """The factory with its options bound; ConfigError naming it if it cannot be found."""
+        module_name, attribute = self.factory.split(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"{ENGINE_WRAPPER}.factory {self.factory!r} cannot be loaded: "
+                              f"{error}") from error
+        if not callable(factory):
+            raise ConfigError(f"{ENGINE_WRAPPER}.factory {self.factory!r} is not callable")
+        return functools.partial(factory, **self.options)
 
 
 @attrs.frozen
@@ -82,7 +77,7 @@ class RemoteD2HOptions:
 
     config: RemoteD2HConfig
     stats_file: str | None = None
-    faults: FaultInjection = FaultInjection()
+    engine_wrapper: EngineWrapperSpec | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> RemoteD2HOptions:
@@ -96,4 +91,4 @@ class RemoteD2HOptions:
             raise ConfigError(f"{STATS_FILE} must be a file path (non-empty string) or absent, "
                               f"got {stats_file!r}")
         return cls(config=config, stats_file=stats_file,
-                   faults=FaultInjection.from_value(extra.get(FAULT_INJECTION)))
+                   engine_wrapper=EngineWrapperSpec.from_value(extra.get(ENGINE_WRAPPER)))

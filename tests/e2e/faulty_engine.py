@@ -1,0 +1,145 @@
+"""Test-only fault injection on decode's data path, loaded through RemoteD2H's engine_wrapper.
+
+A decode vLLM server started by the end-to-end tests gets::
+
+    "engine_wrapper": {"factory": "faulty_engine:wrap",
+                       "options": {"control_file": "/path/faults.json"}}
+
+with this directory on its PYTHONPATH. The control file holds ``{"corrupt_reads": bool,
+"fail_reads": int, "stall_reads_s": seconds}`` and is re-read whenever it changes, so a test can
+switch faults on and off in a running server: corrupt every pulled byte range after it arrived,
+fail the next N engine reads, or stall every read (a decode that is slow or stops answering).
+Only reads into the KV layers are touched, never the fence words a read checks afterwards.
+Production code never imports this module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvo_transport.engine import TransferEngine
+from kvo_transport.errors import TransferError
+
+logger = logging.getLogger(__name__)
+
+CORRUPT_BYTE = 0x3F
+"""Fills corrupted ranges: as float32 every element becomes ~0.75, far from real KV."""
+
+
+@attrs.frozen
+class Faults:
+    corrupt_reads: bool = False
+    fail_reads: int = 0
+    stall_reads_s: float = 0.0
+
+    @classmethod
+    def from_value(cls, value: Any) -> Faults:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"faults must be a mapping, got {value!r}")
+        unknown = sorted(set(value) - {"corrupt_reads", "fail_reads", "stall_reads_s"})
+        if unknown:
+            raise ValueError(f"unknown fault key(s) {unknown}")
+        corrupt, fail = value.get("corrupt_reads", False), value.get("fail_reads", 0)
+        stall = value.get("stall_reads_s", 0.0)
+        if not isinstance(corrupt, bool):
+            raise ValueError(f"corrupt_reads must be true or false, got {corrupt!r}")
+        if not isinstance(fail, int) or isinstance(fail, bool) or fail < 0:
+            raise ValueError(f"fail_reads must be an integer >= 0, got {fail!r}")
+        if not isinstance(stall, int | float) or isinstance(stall, bool) or not 0 <= stall <= 600:
+            raise ValueError(f"stall_reads_s must be seconds in [0, 600], got {stall!r}")
+        return cls(corrupt_reads=corrupt, fail_reads=fail, stall_reads_s=float(stall))
+
+
+class FaultyEngine:
+    """Delegates to decode's engine, applying the control file's faults to layer reads."""
+
+    def __init__(self, engine: TransferEngine, layers: Sequence[Any], control_file: str) -> None:
+        self._engine = engine
+        self._spans = sorted((layer.base, layer.end) for layer in layers)
+        self._starts = [start for start, _ in self._spans]
+        self._control_file = control_file
+        self._stamp: tuple[int, int] | None = None
+        self._faults = Faults()
+        self._failures_left = 0
+        self._lock = threading.Lock()
+        self.injected_failures = 0
+        self.corrupted_bytes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
+
+    @property
+    def protocol(self) -> str:
+        return self._engine.protocol
+
+    @property
+    def session_id(self) -> str:
+        return self._engine.session_id
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"injected_failures": self.injected_failures,
+                    "corrupted_bytes": self.corrupted_bytes}
+
+    def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        data = bool(local_addrs) and self._in_layers(local_addrs[0])
+        with self._lock:
+            self._reload()
+            if data and self._failures_left > 0:
+                self._failures_left -= 1
+                self.injected_failures += 1
+                raise TransferError("fault injection: this read was failed on purpose")
+            stall = self._faults.stall_reads_s if data else 0.0
+            corrupt = self._faults.corrupt_reads and data
+        if stall > 0:
+            time.sleep(stall)
+        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+        if corrupt:
+            for address, length in zip(local_addrs, lengths, strict=True):
+                ctypes.memset(address, CORRUPT_BYTE, length)
+            with self._lock:
+                self.corrupted_bytes += sum(lengths)
+
+    def _in_layers(self, address: int) -> bool:
+        i = bisect.bisect_right(self._starts, address) - 1
+        return i >= 0 and address < self._spans[i][1]
+
+    def _reload(self) -> None:
+        """Apply the control file when it changed (lock held)."""
+        try:
+            stat = os.stat(self._control_file)
+        except OSError:
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            with open(self._control_file) as source:
+                faults = Faults.from_value(json.load(source))
+        except (OSError, ValueError) as error:
+            logger.error("kvo fault injection: ignoring %s: %s", self._control_file, error)
+            return
+        self._faults = faults
+        self._failures_left = faults.fail_reads
+        logger.warning("kvo fault injection now: %s", faults)
+
+
+def wrap(engine: TransferEngine, layers: Sequence[Any], *, control_file: str) -> FaultyEngine:
+    """The ``engine_wrapper`` factory."""
+    return FaultyEngine(engine, layers, control_file)

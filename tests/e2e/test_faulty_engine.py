@@ -1,0 +1,53 @@
+"""The test-only fault injection (faulty_engine.py) does what the end-to-end tests rely on."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import pytest
+from faulty_engine import CORRUPT_BYTE, wrap
+
+from kvo_transport.errors import TransferError
+
+BLOCK = 64
+
+
+class Layer:
+    """What the wrapper reads of kvo-vllm's LayerRegion."""
+
+    def __init__(self, base: int, end: int) -> None:
+        self.base, self.end = base, end
+
+
+class FakeEngine:
+    backend, protocol, session_id = "mooncake", "tcp", "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        self.reads += 1
+
+
+def test_faults_follow_the_control_file_and_touch_only_layer_reads(tmp_path: Path) -> None:
+    memory = ctypes.create_string_buffer(4 * BLOCK + 8)
+    base = ctypes.addressof(memory)
+    control = tmp_path / "faults.json"
+    control.write_text(json.dumps({"fail_reads": 1}))
+    fake = FakeEngine()
+    faulty = wrap(fake, [Layer(base, base + 4 * BLOCK)],
+                  control_file=str(control))
+    with pytest.raises(TransferError, match="fault injection"):
+        faulty.read("p", [base], [1], [BLOCK])
+    faulty.read("p", [base], [1], [BLOCK])
+    control.write_text(json.dumps({"corrupt_reads": True}))
+    faulty.read("p", [base + BLOCK], [1], [BLOCK])
+    assert memory.raw[BLOCK:2 * BLOCK] == bytes([CORRUPT_BYTE]) * BLOCK
+    faulty.read("p", [base + 4 * BLOCK], [1], [8])  # not a layer (a fence word): untouched
+    assert memory.raw[4 * BLOCK:] == bytes(8)
+    assert faulty.snapshot() == {"injected_failures": 1, "corrupted_bytes": BLOCK}
+    control.write_text(json.dumps({"fail_reads": 2, "corrupt_reads": False, "extra": 1}))
+    faulty.read("p", [base], [1], [BLOCK])  # a bad control file is ignored, faults kept
+    assert fake.reads == 4
