@@ -1,0 +1,83 @@
+"""The resident main-KV strategy (the seam the offload mode also implements): rows written at
+vLLM's slots land in the paged cache, even a strided per-layer view of a shared allocation, and
+come back per query token in top-k order, with padding marked invalid; the attention over them
+is the reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvo_core.config import SparseDecodeOffloadConfig
+from kvo_core.errors import ConfigError
+from kvo_kernels.reference.primitives import sparse_mla_attention
+from kvo_vllm.dsa.backend import attend_rows
+from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, make_main_kv_access
+
+BLOCK, LATENT, ROPE = 4, 8, 4
+WIDTH = LATENT + ROPE
+
+
+def _layer(mode: str = "resident") -> LayerInfo:
+    config = SparseDecodeOffloadConfig(top_k=3, block_size=BLOCK, hot_capacity=8, mode=mode)
+    return LayerInfo(layer_name="model.layers.0.self_attn.attn", kv_lora_rank=LATENT,
+                     rope_dim=ROPE, config=config)
+
+
+class _Metadata:
+    def __init__(self, block_table: torch.Tensor, token_request: torch.Tensor) -> None:
+        self.block_table = block_table
+        self.token_request = token_request
+
+
+def test_rows_round_trip_through_a_strided_paged_cache() -> None:
+    shared = torch.zeros(6, 2, BLOCK, WIDTH)  # two layers interleaved per block
+    cache = shared[:, 1]                     # this layer's view: [6, BLOCK, WIDTH], strided
+    assert not cache.is_contiguous()
+    table = torch.tensor([[5, 2], [0, 3]], dtype=torch.int32)  # request -> blocks
+    lengths = [6, 5]
+    rows = {r: torch.randn(n, WIDTH) for r, n in enumerate(lengths)}
+    strategy = PagedMainKV(_layer())
+    for r, n in enumerate(lengths):
+        positions = torch.arange(n)
+        slots = table.long()[r, positions // BLOCK] * BLOCK + positions % BLOCK
+        slots[1] = -1  # an unwritten slot (vLLM pads with -1) is skipped
+        strategy.write(cache, rows[r], slots, None)
+    assert torch.equal(shared[:, 0], torch.zeros(6, BLOCK, WIDTH))  # the other layer untouched
+    topk = torch.tensor([[5, 0, -1], [4, 2, 3], [1, -1, -1]])
+    metadata = _Metadata(table, torch.tensor([0, 1, 1]))
+    selected = strategy.gather(cache, topk, metadata)
+    assert selected.rows.shape == (3, 3, WIDTH)
+    assert selected.valid.tolist() == [[True, True, False], [True, True, True],
+                                       [True, False, False]]
+    assert torch.equal(selected.rows[0, 0], rows[0][5])
+    assert torch.equal(selected.rows[0, 1], rows[0][0])
+    assert torch.equal(selected.rows[1], rows[1][[4, 2, 3]])
+    assert torch.equal(selected.rows[2, 0], torch.zeros(WIDTH))  # position 1 was never written
+
+
+def test_attention_over_gathered_rows_is_the_reference() -> None:
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 3, WIDTH, generator=generator)
+    valid = torch.tensor([[True, False, True], [False, False, False]])
+    query = torch.randn(2, 2, LATENT, generator=generator)
+    query_rope = torch.randn(2, 2, ROPE, generator=generator)
+    got = attend_rows(query, query_rope, rows, valid, LATENT, 0.3)
+    cache = torch.cat([rows[0, [0, 2]], torch.randn(1, WIDTH, generator=generator)])
+    want = sparse_mla_attention(query[:1], query_rope[:1], cache[:, :LATENT], cache[:, LATENT:],
+                                torch.tensor([[0, 1]]), 0.3)
+    torch.testing.assert_close(got[:1], want)
+    assert torch.equal(got[1], torch.zeros(2, LATENT))  # nothing selected: zeros
+
+
+def test_make_main_kv_access_follows_the_mode() -> None:
+    assert isinstance(make_main_kv_access(_layer()), PagedMainKV)
+    with pytest.raises(ConfigError, match="mode"):
+        make_main_kv_access(LayerInfo(layer_name="x", kv_lora_rank=LATENT, rope_dim=ROPE,
+                                      config=_bad_mode_config()))
+
+
+def _bad_mode_config() -> SparseDecodeOffloadConfig:
+    config = SparseDecodeOffloadConfig(top_k=3, block_size=BLOCK, hot_capacity=8)
+    object.__setattr__(config, "mode", "remote")  # bypass validation: the factory checks too
+    return config
