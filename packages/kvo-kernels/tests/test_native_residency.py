@@ -327,16 +327,9 @@ def test_long_traces_wrap_and_compact_the_deep_log() -> None:
 
 
 def _tokens_sharing_a_window_index_cell(count: int) -> list[int]:
-    """Tokens below 2**31 whose window-index hashes (residency_scan.h: the low 32 bits times
-    0x9E3779B1, mod 2**32, top bits) agree in their top 20 bits: one cell for any index of up
-    to 2**20 cells, however large the thread's index has grown."""
-    multiplier = 0x9E3779B1
-    inverse = pow(multiplier, -1, 1 << 32)
-    for high in range(1, 1 << 20):
-        tokens = [((high << 12 | low) * inverse) % (1 << 32) for low in range(count)]
-        if max(tokens) < 1 << 31:
-            return tokens
-    raise AssertionError("no such tokens")
+    """Tokens whose low 21 bits agree: one cell of the window index (residency_scan.h: the
+    token's low bits) for any index of up to 2**21 cells (2C for the largest capacity)."""
+    return [5 + (i << 21) for i in range(count)]
 
 
 def test_tokens_sharing_a_window_index_cell() -> None:

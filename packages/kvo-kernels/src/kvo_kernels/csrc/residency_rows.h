@@ -98,8 +98,8 @@ struct Scratch {
   std::vector<int64_t> cell_slot;       // per cell: its token's slot, -1 while unknown
   std::vector<int64_t> distinct_cells;  // first-occurrence order
   std::vector<uint64_t> filter;
-  // The window's index: hash(token) -> window position. Only a hint: a position is used
-  // only when the window entry there holds the token.
+  // The window's index: window_cell(token) -> window position. Only a hint: a position is
+  // used only when the window entry there holds the token.
   std::vector<int32_t> window_index;
   std::vector<int64_t> filtered;        // deep log indices the filter let through
   std::vector<int64_t> slow;            // positions the window did not answer
@@ -115,7 +115,7 @@ struct Scratch {
   uint64_t hash_mask = 0;
   int hash_shift = 0;
   uint64_t filter_mask = 0;
-  int window_index_shift = 0;
+  uint64_t window_cell_mask = 0;
 
   static constexpr int64_t kFreeCell = -1;
 
@@ -138,10 +138,11 @@ struct Scratch {
       miss_cells.resize(width);
       sorted_tokens.resize(width);
     }
-    const uint64_t window_index_size = next_pow2(static_cast<uint64_t>(2 * capacity));
+    const uint64_t window_index_size =
+        std::max(kMinWindowCells, next_pow2(static_cast<uint64_t>(2 * capacity)));
     if (window_index.size() < window_index_size) {
       window_index.assign(window_index_size, 0);
-      window_index_shift = 32 - __builtin_ctzll(window_index_size);
+      window_cell_mask = window_index_size - 1;
     }
     if (static_cast<int64_t>(filtered.size()) < deep_size) filtered.resize(deep_size);
     if (static_cast<int64_t>(window_hit.size()) < window_size) window_hit.resize(window_size, 0);
@@ -344,7 +345,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   int32_t* __restrict window_index = s.window_index.data();
   uint8_t* __restrict window_hit = s.window_hit.data();
   int32_t* __restrict out_slots = out.slots;
-  const int window_index_shift = s.window_index_shift;
+  const uint64_t window_cell_mask = s.window_cell_mask;
 
   // 1. Index the window (reading it front to back) and check that its entries name slots.
   //    (Each loop of a step keeps its own accumulators: one live across the whole step is
@@ -356,7 +357,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
       const int64_t entry = window[i];
       bad_window |= (static_cast<uint64_t>(entry) >> 63) |
                     static_cast<uint64_t>(packed_slot(entry) >= capacity);
-      window_index[window_cell(packed_token(entry), window_index_shift)] =
+      window_index[window_cell(packed_token(entry), window_cell_mask)] =
           static_cast<int32_t>(i);
     }
     bad = bad_window;
@@ -364,7 +365,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
 
   // 2. Every position: a valid token the window holds is a hit (unless it is at or past the
   //    stable length: about to be dropped); the other valid ones are slow.
-  const WindowLookup lookup{window_index, window_index_shift, window,
+  const WindowLookup lookup{window_index, window_cell_mask, window,
                             static_cast<uint64_t>(lru.window_size - 1),
                             std::min({limit, stable_len, kTokenLimit}), limit};
   int64_t* __restrict slow = s.slow.data();
