@@ -45,6 +45,7 @@ from pd.cluster import (
     Cluster,
     Managed,
     decode_transfer_config,
+    faulty_decode,
     free_port,
     prefill_transfer_config,
     reexec_in_namespace,
@@ -113,7 +114,7 @@ class Deployment:
     def _start_decode(self) -> Managed:
         config = decode_transfer_config(self.kv_port, self.workdir / "decode-stats.json",
                                         layer_deadline_s=10.0, handshake_timeout_s=10.0,
-                                        faults={"control_file": str(self.faults_file)},
+                                        engine_wrapper=faulty_decode(self.faults_file),
                                         read_retries=0)
         return self.cluster.start_vllm("decode", self.model, self.decode_port, config)
 

@@ -1,4 +1,5 @@
-"""The test-only fault injection (faulty_engine.py) does what the end-to-end tests rely on."""
+"""The test-only fault injection (tools/pd/faulty_engine.py) does what the e2e tests and the soak
+rely on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty_engine import CORRUPT_BYTE, wrap
+from pd.faulty_engine import CORRUPT_BYTE, wrap
 
 from kvo_transport.errors import TransferError
 

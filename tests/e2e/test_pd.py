@@ -39,7 +39,6 @@ pytestmark = pytest.mark.skipif(
            "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
            "nox -s e2e does this)")
 
-HERE = Path(__file__).resolve().parent
 NUM_LAYERS = 8
 MAX_TOKENS = 8
 DEADLINE_S = 15.0
@@ -80,6 +79,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     from pd.cluster import (
         Cluster,
         decode_transfer_config,
+        faulty_decode,
         free_port,
         prefill_transfer_config,
         start_master,
@@ -98,13 +98,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             prefill = cluster.start_vllm("prefill", model, free_port(), prefill_transfer_config(
                 master.address, kv_port, workdir / "prefill-stats.json",
                 layer_deadline_s=DEADLINE_S, handshake_timeout_s=DEADLINE_S))
-            # Faults come from the test-only engine wrapper next to this file.
             decode = cluster.start_vllm("decode", model, free_port(), decode_transfer_config(
                 kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                engine_wrapper={"factory": "faulty_engine:wrap",
-                                "options": {"control_file": str(faults)}}, read_retries=0),
-                env={"PYTHONPATH": os.pathsep.join(
-                    filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
+                engine_wrapper=faulty_decode(faults), read_retries=0))
             # Twice the block size: a decode block is two prefill blocks' bytes.
             mismatch = cluster.start_vllm(
                 "mismatch", model, free_port(),

@@ -36,6 +36,9 @@ BLOCK_SIZE = 32
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}assistant:")
+TOOLS = Path(__file__).resolve().parent.parent
+"""tools/: the ``pd`` and ``models`` packages the tests, the demo and the soak share."""
+
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
@@ -197,7 +200,10 @@ class Cluster:
                 "--disable-uvicorn-access-log", *extra_args]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        return self.start(name, argv, {**ENGINE_ENV, "VLLM_HOST_IP": host, **(env or {})},
+        # tools/ importable in the server: a test's engine wrapper (faulty_decode) lives there.
+        path = os.pathsep.join(filter(None, (str(TOOLS), os.environ.get("PYTHONPATH"))))
+        return self.start(name, argv, {**ENGINE_ENV, "VLLM_HOST_IP": host, "PYTHONPATH": path,
+                                       **(env or {})},
                           url=f"http://{host}:{port}", netns=netns)
 
     def start_proxy(self, port: int, prefill_url: str, decode_url: str,
@@ -301,6 +307,15 @@ def prefill_transfer_config(store_master: str, kv_port: int, stats_file: Path | 
             "kv_connector_extra_config": extra}
 
 
+FAULTY_ENGINE = "pd.faulty_engine:wrap"
+
+
+def faulty_decode(control_file: Path) -> dict[str, Any]:
+    """An ``engine_wrapper`` that injects the faults ``control_file`` names (test-only code in
+    pd/faulty_engine.py, imported by the decode server from tools/ on its PYTHONPATH)."""
+    return {"factory": FAULTY_ENGINE, "options": {"control_file": str(control_file)}}
+
+
 def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                            layer_deadline_s: float = 60.0, handshake_timeout_s: float = 30.0,
                            engine_wrapper: Mapping[str, Any] | None = None,
@@ -312,7 +327,7 @@ def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                              "read_retries": read_retries}
     if stats_file is not None:
         extra["stats_file"] = str(stats_file)
-    if engine_wrapper:  # e.g. the tests' fault injection (tests/e2e/faulty_engine.py)
+    if engine_wrapper:  # e.g. the tests' fault injection (faulty_decode)
         extra["engine_wrapper"] = dict(engine_wrapper)
     return {"kv_connector": "RemoteD2HConnector",
             "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_consumer",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvo_core.config import TRANSFER_BACKENDS  # one owner: kvo-core's config validates it too
 from kvo_core.errors import ConfigError
 
-TRANSFER_BACKENDS = ("mooncake", "memfabric")
 SAME_HOST_MARK = " samehost="
 """Separates a session id from the same-host address a SameHostEngine appends to it."""
 

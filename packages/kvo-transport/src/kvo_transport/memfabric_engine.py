@@ -15,13 +15,15 @@ from typing import Any
 
 import attrs
 
+from kvo_core import config
 from kvo_core.errors import ConfigError
 from kvo_transport.ascend_log import explain, log_tap
 from kvo_transport.errors import TransferError, backend_unavailable
 from kvo_transport.library_engine import LibraryTransferEngine
 
 # kvo protocol name -> memfabric_hybrid.TransDataOpType member.
-MEMFABRIC_PROTOCOLS = {"sdma": "SDMA", "device_rdma": "DEVICE_RDMA", "device_urma": "DEVICE_URMA"}
+MEMFABRIC_PROTOCOLS = {name: name.upper() for name in config.MEMFABRIC_PROTOCOLS}
+"""kvo's protocol name -> MemFabric's TransDataOpType member (the names: kvo-core's config)."""
 DEFAULT_PROTOCOL = "sdma"
 MEMFABRIC_ROLES = ("Prefill", "Decode")
 

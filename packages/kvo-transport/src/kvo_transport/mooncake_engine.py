@@ -11,11 +11,10 @@ from typing import Any
 
 import attrs
 
+from kvo_core.config import MOONCAKE_PROTOCOLS  # one owner: kvo-core's config
 from kvo_core.errors import ConfigError
 from kvo_transport.errors import TransferError, backend_unavailable
 from kvo_transport.library_engine import LibraryTransferEngine
-
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
 def import_mooncake_engine_class() -> Any:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvo_core.config import STORE_BACKENDS  # one owner: kvo-core's config validates it too
 from kvo_core.errors import ConfigError
-
-STORE_BACKENDS = ("mooncake", "memcache")
 
 
 class KVStore(Protocol):

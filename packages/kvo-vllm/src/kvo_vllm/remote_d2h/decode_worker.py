@@ -21,14 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import attrs
 import torch
 
 from kvo_core.config import RemoteD2HConfig
-from kvo_core.errors import ConfigError
-from kvo_core.layers import layer_index
 from kvo_core.tp import control_port
 from kvo_transport.control import (
     DecodeLayout,
@@ -37,9 +35,9 @@ from kvo_transport.control import (
     DestinationLayer,
     RequestDestination,
 )
-from kvo_transport.engine import create_transfer_engine
 from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
+from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches, merged_regions, transfer_engine_for
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
@@ -75,42 +73,6 @@ class DecodeStats:
     deadline_failures: int = 0
     revoked: int = 0
     invalid_blocks_reported: int = 0
-
-
-def merged_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(start, end) ranges merged where they overlap or touch, sorted."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(regions):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor]
-                       ) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
-    """Layers ordered by index, each (name, index, tensor), and the common block size in bytes.
-
-    A block must be one contiguous run (CPU layout ``[blocks, heads, block, 2*head]`` is), so
-    whole-block copies are layout-agnostic. Refuses layouts it cannot move block by block.
-    """
-    layers = sorted(((name, layer_index(name), tensor) for name, tensor in kv_caches.items()),
-                    key=lambda item: item[1])
-    indices = [index for _, index, _ in layers]
-    if indices != list(range(len(indices))):
-        raise ConfigError(f"RemoteD2H needs one KV cache per layer 0..N-1; vLLM registered "
-                          f"layers {indices}")
-    sizes = set()
-    for name, _, tensor in layers:
-        if tensor.dim() < 2 or not tensor[0].is_contiguous():
-            raise ConfigError(f"layer {name!r}: a KV block is not one contiguous run (shape "
-                              f"{tuple(tensor.shape)}, strides {tensor.stride()}); RemoteD2H "
-                              f"moves whole blocks and needs a blocks-outermost layout")
-        sizes.add(tensor.stride(0) * tensor.element_size())
-    if len(sizes) != 1:
-        raise ConfigError(f"RemoteD2H needs one block size for every layer, got {sorted(sizes)}")
-    return layers, sizes.pop()
 
 
 class DecodePuller:
@@ -151,14 +113,7 @@ class DecodePuller:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers, block_bytes = describe_kv_caches(kv_caches)
         config = self.config
-        if config.transfer_backend == "mooncake":
-            # Direct copies (process_vm_readv) when the peer shares this host and the KV
-            # lives in host memory; Mooncake otherwise.
-            on_host = all(tensor.device.type == "cpu" for _, _, tensor in layers)
-            raw = create_transfer_engine("mooncake", hostname=config.local_hostname,
-                                         protocol=config.mooncake_protocol, same_host=on_host)
-        else:
-            raw = create_transfer_engine("memfabric", protocol=config.memfabric_transfer_protocol)
+        raw = transfer_engine_for(config, layers)
         regions = []
         dest_layers = []
         for name, index, tensor in layers:

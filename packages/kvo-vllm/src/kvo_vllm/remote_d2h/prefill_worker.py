@@ -32,11 +32,11 @@ from kvo_core.config import RemoteD2HConfig
 from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
-from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_transport.engine import TransferEngine
 from kvo_transport.fence import FenceWords
 from kvo_transport.frame_auth import control_key
-from kvo_vllm.remote_d2h.decode_worker import describe_kv_caches, merged_regions
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
+from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches, merged_regions, transfer_engine_for
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata, SendChunk
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import PrefillFailed
@@ -108,16 +108,7 @@ class PrefillSender:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
                            slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
         layers, block_bytes = describe_kv_caches(kv_caches)
-        config = self.config
-        if config.transfer_backend == "mooncake":
-            # Direct copies (process_vm_readv) when the peer shares this host and the KV
-            # lives in host memory; Mooncake otherwise.
-            on_host = all(tensor.device.type == "cpu" for _, _, tensor in layers)
-            engine = create_transfer_engine("mooncake", hostname=config.local_hostname,
-                                            protocol=config.mooncake_protocol, same_host=on_host)
-        else:
-            engine = create_transfer_engine("memfabric",
-                                            protocol=config.memfabric_transfer_protocol)
+        engine = transfer_engine_for(self.config, layers)
         metas = []
         spans = []
         for name, index, tensor in layers:

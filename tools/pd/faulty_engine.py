@@ -1,14 +1,15 @@
 """Test-only fault injection on decode's data path, loaded through RemoteD2H's engine_wrapper.
 
-A decode vLLM server started by the end-to-end tests gets::
+A decode vLLM server started by the end-to-end tests or the soak gets (``cluster.faulty_decode``)::
 
-    "engine_wrapper": {"factory": "faulty_engine:wrap",
+    "engine_wrapper": {"factory": "pd.faulty_engine:wrap",
                        "options": {"control_file": "/path/faults.json"}}
 
-with this directory on its PYTHONPATH. The control file holds ``{"corrupt_reads": bool,
-"fail_reads": int, "stall_reads_s": seconds}`` and is re-read whenever it changes, so a test can
-switch faults on and off in a running server: corrupt every pulled byte range after it arrived,
-fail the next N engine reads, or stall every read (a decode that is slow or stops answering).
+with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there). The control file holds
+``{"corrupt_reads": bool, "fail_reads": int, "stall_reads_s": seconds}`` and is re-read
+whenever it changes, so a test can switch faults on and off in a running server: corrupt every
+pulled byte range after it arrived, fail the next N engine reads, or stall every read (a decode
+that is slow or stops answering).
 Only reads into the KV layers are touched, never the fence words a read checks afterwards.
 Production code never imports this module.
 """
