@@ -211,15 +211,15 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def demo(session: nox.Session) -> None:
-    """The main job: the P/D demo once it exists, until then the planner CLI's default preset."""
+    """The main job: the P/D demo (tools/demo.py), then the sparse decode offload of a
+    DeepSeek-V3.2-architecture model inside vLLM checked against its resident run
+    (tools/demo_sparse.py). Arguments after ``--`` go to the P/D demo."""
     ensure_debian_packages(session, "libibverbs1")
     env = full_venv(session)
-    demo_script = ROOT / "tools" / "demo.py"
-    if demo_script.exists():
-        argv = ("python", str(demo_script), *session.posargs)
-        session.run(*in_loopback_namespace(*argv), env=env, external=True)
-    else:
-        session.run("kvo-plan", *session.posargs, env=env, external=True)
+    argv = ("python", str(ROOT / "tools" / "demo.py"), *session.posargs)
+    session.run(*in_loopback_namespace(*argv), env=env, external=True)
+    argv = ("python", str(ROOT / "tools" / "demo_sparse.py"))
+    session.run(*in_loopback_namespace(*argv), env=env, external=True)
 
 
 @nox.session(venv_backend="none")
