@@ -72,13 +72,13 @@ def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
 
 
-def _engine(model: Path, mode: str, **sparse: Any) -> Any:
+def _engine(model: Path, mode: str, **extra: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
                distributed_executor_backend="uni", max_model_len=512, max_num_seqs=2,
                max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=BLOCKS, seed=0,
-               additional_config={"kvo_sparse": {"mode": mode, **sparse}})
+               additional_config={"kvo_sparse": {"mode": mode}}, **extra)
 
 
 def _generate(llm: Any, prompts: list[str], max_tokens: list[int]) -> Answers:
@@ -276,6 +276,37 @@ def test_hits_are_served_from_the_hot_buffer(runs: Runs) -> None:
     _, logprobs = runs.hit_probe
     # Only resident rows were overwritten in the pool: the probed step reads their hot copies.
     assert logprobs[:PROBE_STEP + 1] == reference[:PROBE_STEP + 1]
+
+
+def test_mtp_query_rows_share_the_residency_row(engine_env: None,
+                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MTP (one draft token): the verify step has two query rows per request, which share the
+    request's residency row; rejected drafts are rewritten next step (stable-prefix rule).
+    Offload equals resident, tokens and logprobs; the draft layer is offloaded too."""
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    from kvo_vllm.dsa.offload_main_kv import offload_workers
+
+    model = build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-mtp-offload"),
+                             num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, mtp=True)
+    speculative = {"method": "mtp", "num_speculative_tokens": 1}
+    prompts, max_tokens = [PROMPTS[1], PROMPTS[3]], [8, 8]
+    answers = {}
+    earlier = {id(w) for w in offload_workers()}
+    for mode in ("resident", "offload"):
+        llm = _engine(model, mode, speculative_config=speculative)
+        answers[mode] = _generate(llm, prompts, max_tokens)
+        if mode == "offload":
+            workers = [w for w in offload_workers()
+                       if id(w) not in earlier and w.manager is not None]
+            names = {name for w in workers for name in w.layer_names}
+            shared = [s for w in workers for s in w.stats.history
+                      if s.decode_tokens > s.decode_rows]
+        _stop(llm)
+        del llm
+    assert f"model.layers.{NUM_LAYERS}.self_attn.attn" in names     # the MTP layer
+    assert shared                     # verify steps: two query rows in one residency row
+    assert answers["offload"] == answers["resident"]
 
 
 def test_pool_too_small_for_one_request_is_refused_at_start(engine_env: None,

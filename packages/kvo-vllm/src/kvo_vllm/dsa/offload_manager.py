@@ -176,7 +176,8 @@ class OffloadManager:
         out[~valid.to(self.device)] = 0
 
         self.stats.record(OffloadLayerStats(
-            layer=layer, decode_rows=int(decode.sum()), pool_rows=int((~decode).sum()),
+            layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
+            pool_rows=int((~decode).sum()),
             selected=selected, hits=hits, misses=misses, h2d_bytes=misses * self.row_bytes,
             full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
             pool_rows_used=int(seq_lens.sum())))

@@ -22,6 +22,7 @@ class OffloadLayerStats:
 
     layer: int
     decode_rows: int        # requests that went through residency (query rows <= the limit)
+    decode_tokens: int      # their query rows (> decode_rows: several rows per request, MTP)
     pool_rows: int          # requests whose tokens attended straight to the pool (prefill)
     selected: int           # valid top-k entries of the decode rows' tokens
     hits: int
