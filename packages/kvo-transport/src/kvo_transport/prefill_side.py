@@ -24,7 +24,6 @@ epoll set, so only one thread wakes per answer; that removes the I/O thread -> w
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -70,6 +69,7 @@ from kvo_transport.protocol import (
     ReadyRequest,
     encode,
 )
+from kvo_transport.ready_ledger import Outcome, PendingReady, ReadyLedger
 
 log = logging.getLogger("kvo.transport.prefill")
 
@@ -117,32 +117,6 @@ class _Peer:
     connection: _Connection
     answered: threading.Event = attrs.Factory(threading.Event)
     answer: HandshakeAnswer | None = None
-
-
-@attrs.define
-class _Pending:
-    """A READY waiting for its answer."""
-
-    endpoint: str
-    seq: int
-    layer_index: int
-    layer_name: str
-    slot_key: SlotKey
-    part: str
-    request_ids: tuple[str, ...]
-    sent_at: float
-    deadline: float
-    lease_words: tuple[int, ...] = ()
-
-
-@attrs.define
-class _RequestSends:
-    """A request's READYs in flight; it is reported once none is (its blocks may be in use)."""
-
-    inflight: int = 0
-    last_published: bool = False
-    error: str | BaseException | None = None
-    reported: bool = False
 
 
 class PrefillPublisher:
@@ -204,10 +178,8 @@ class PrefillPublisher:
 
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
-        self._pending: dict[tuple[str, int], _Pending] = {}
-        self._deadlines: list[tuple[float, str, int]] = []
+        self._ledger = ReadyLedger()  # READYs in flight, deadlines, requests' sends (lock)
         self._io_sleep_until = 0.0  # when the I/O thread looks at the deadlines next
-        self._requests: dict[str, _RequestSends] = {}
         self._seqs = itertools.count()  # one counter for all peers: keys stay unique on reconnect
         self._closed = False
 
@@ -394,17 +366,17 @@ class PrefillPublisher:
         now = time.monotonic()
         with self._lock:
             for peer, seq, _, ids, leases in frames:
-                self._pending[(peer.endpoint, seq)] = _Pending(
+                new = self._ledger.add(PendingReady(
                     endpoint=peer.endpoint, seq=seq, layer_index=layer_index,
                     layer_name=layer.name, slot_key=slot_key, part=parts[peer.endpoint],
                     request_ids=ids, sent_at=now, deadline=now + deadline_s,
-                    lease_words=leases)
+                    lease_words=leases), last)
                 if now + deadline_s < self._io_sleep_until:
                     self._wake()  # the I/O thread sleeps past this deadline: tell it
                     self._io_sleep_until = now
-                heapq.heappush(self._deadlines, (now + deadline_s, peer.endpoint, seq))
-                for request_id in ids:
-                    self._note_request(request_id, request_id in last)
+                if self._tracker is not None and self._auto_expect:
+                    for request_id in new:
+                        self._tracker.expect(request_id, (self._request_part,))
         for peer, seq, frame, ids, _ in frames:
             self._send(peer.connection, frame)
             if log.isEnabledFor(logging.DEBUG):
@@ -418,21 +390,11 @@ class PrefillPublisher:
         """The smaller of both sides' frame limits (ZMQ cuts the connection over the decode's)."""
         return min(self._max_frame_bytes, _decode_limit(peer))
 
-    def _note_request(self, request_id: str, is_last: bool) -> None:
-        """Count one more batch in flight for ``request_id`` (lock held)."""
-        sends = self._requests.get(request_id)
-        if sends is None:
-            sends = self._requests[request_id] = _RequestSends()
-            if self._tracker is not None and self._auto_expect:
-                self._tracker.expect(request_id, (self._request_part,))
-        sends.inflight += 1
-        sends.last_published = sends.last_published or is_last
-
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (e.g. it was aborted before its last layer); its blocks
         may be reused from now on (``release``)."""
         with self._lock:
-            self._requests.pop(request_id, None)
+            self._ledger.forget(request_id)
         self.release(request_id)
 
     def release(self, request_id: str) -> None:
@@ -455,8 +417,7 @@ class PrefillPublisher:
         for peer in peers:
             peer.answered.set()
         with self._lock:
-            pending = list(self._pending.values())
-            self._pending.clear()
+            pending = self._ledger.drain()
         for item in pending:
             self._finish(item, PublisherClosedError(
                 f"publisher of {self._label} closed before {item.endpoint} answered layer "
@@ -626,11 +587,9 @@ class PrefillPublisher:
         deadline then needs no wake-up (it expires after this thread's next look).
         """
         with self._lock:
-            deadlines = self._deadlines
-            while deadlines and (deadlines[0][1], deadlines[0][2]) not in self._pending:
-                heapq.heappop(deadlines)
+            deadline = self._ledger.next_deadline()
             now = time.monotonic()
-            timeout = (max(0.0, deadlines[0][0] - now) if deadlines
+            timeout = (max(0.0, deadline - now) if deadline is not None
                        else self.layer_deadline_s)
             self._io_sleep_until = now + timeout
             return timeout
@@ -643,7 +602,7 @@ class PrefillPublisher:
             if peer is not None and peer.answer is not None:
                 del self._peers[endpoint]
                 self._dropped_connections.append(peer.connection)
-            lost = [self._pending.pop(key) for key in list(self._pending) if key[0] == endpoint]
+            lost = self._ledger.drop_endpoint(endpoint)
         log.warning("prefill %s: decode %s does not know this connection's session (it "
                     "restarted?); failing %d READY(s) in flight, handshaking again on the next "
                     "publish", self._label, endpoint, len(lost))
@@ -676,7 +635,7 @@ class PrefillPublisher:
                         self._label, type(message).__name__, endpoint)
             return
         with self._lock:
-            item = self._pending.pop((endpoint, message.seq), None)
+            item = self._ledger.answer(endpoint, message.seq)
             if isinstance(message, ReadFailed) and message.needs_handshake:
                 peer = self._peers.get(endpoint)
                 if peer is not None and peer.answer is not None:
@@ -705,17 +664,9 @@ class PrefillPublisher:
         """Fail every READY past its deadline, and with it everything else in flight to the
         same decode: it answers in order, so nothing sent there since can be answered either
         (a dead decode then costs one deadline, not one per layer in flight)."""
-        now = time.monotonic()
-        expired: list[_Pending] = []
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, endpoint, seq = heapq.heappop(self._deadlines)
-                item = self._pending.pop((endpoint, seq), None)
-                if item is not None:
-                    expired.append(item)
-            late = {item.endpoint: item for item in expired}
-            behind = [self._pending.pop(key) for key in list(self._pending)
-                      if key[0] in late]
+            expired, behind = self._ledger.expire(time.monotonic())
+        late = {item.endpoint: item for item in expired}
         for item in expired:
             error = LayerDeadlineError(
                 f"no READ_DONE/READ_FAILED from {item.endpoint} for layer {item.layer_index} "
@@ -735,7 +686,7 @@ class PrefillPublisher:
             log.error("prefill %s: failed %d more READY(s) queued to %s behind the missed "
                       "deadline", self._label, len(behind), ", ".join(sorted(late)))
 
-    def _finish(self, item: _Pending, error: str | BaseException | None) -> None:
+    def _finish(self, item: PendingReady, error: Outcome) -> None:
         """Report one READY's outcome to the slot gate and to its requests.
 
         A READY that ends without READ_DONE may still be read: its requests' words advance
@@ -747,26 +698,10 @@ class PrefillPublisher:
             self._gates.mark_done(item.slot_key, item.part)
         else:
             self._gates.mark_failed(item.slot_key, item.part, error)
-        reports: list[tuple[str, str | BaseException | None]] = []
         with self._lock:
-            for request_id in item.request_ids:
-                sends = self._requests.get(request_id)
-                if sends is None:
-                    continue
-                sends.inflight -= 1
-                if error is not None and sends.error is None:
-                    sends.error = error
-                if sends.inflight:
-                    continue
-                # A failure is reported as soon as nothing of the request is being read; a
-                # success only after its last layer. Later READYs of a failed request are
-                # still counted (so it is not tracked afresh) but not reported again.
-                if not sends.reported and (sends.error is not None or sends.last_published):
-                    sends.reported = True
-                    reports.append((request_id, sends.error))
-                    self.fences.release(request_id)  # nothing of it is read any more
-                if sends.last_published:
-                    del self._requests[request_id]
+            reports = self._ledger.settle(item, error)
+        for request_id, _ in reports:
+            self.fences.release(request_id)  # nothing of it is read any more
         if self._tracker is None:
             return
         for request_id, failure in reports:
