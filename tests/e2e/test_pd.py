@@ -175,6 +175,9 @@ def test_pd_answers_equal_plain_vllm(deployment: Deployment) -> None:
     # Every prompt longer than one block was pulled layer by layer, none failed.
     assert decode["received"] - received_before == len(cases)
     assert decode["failed"] == 0 and decode["refused_reads"] == 0
+    # Prefill and decode share this host: the pulls copied directly (kvo_transport.samehost_engine).
+    pulled = sum(layer["bytes"] for layer in decode["per_layer"].values())
+    assert decode["same_host_bytes"] >= pulled > 0  # >=: fence reads go the same way
     assert set(decode["per_layer"]) == {str(i) for i in range(NUM_LAYERS)}
     assert prefill["sends_done"] >= len(cases) and prefill["in_flight_sends"] == 0
 

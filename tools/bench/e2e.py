@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests_pulled": puller.get("received"),
         "pull_failures": puller.get("failed"),
         "pulled_bytes": sum(v["bytes"] for v in per_layer.values()),
+        "same_host_bytes": puller.get("same_host_bytes"),
         "pull_ms_per_layer_read": (1e3 * sum(v["seconds"] for v in per_layer.values()) / reads
                                    if reads else None),
         "store_saved_bytes": prefill_report.get("layerwise", {}).get("saved_bytes"),
@@ -226,7 +227,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"kvo: prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
           f"pulled {result['pulled_bytes'] / (1 << 20):.1f} MiB in "
           f"{result['requests_pulled']} requests, {_fmt(result['pull_ms_per_layer_read'], 1, 2)}"
-          f" ms per layer read, {result['pull_failures']} failures")
+          f" ms per layer read, {result['pull_failures']} failures; "
+          f"{(result.get('same_host_bytes') or 0) / (1 << 20):.1f} MiB copied directly "
+          "(same host)")
     if result.get("peer_decode_external_query_tokens"):
         print(f"vLLM-MC: decode got {result['peer_decode_external_hit_tokens']:.0f} of "
               f"{result['peer_decode_external_query_tokens']:.0f} prompt tokens through its "

@@ -256,6 +256,8 @@ class SameHostEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._address = PeerAddress(self._host, self._pid, start, self._registry.path)
+        self.direct_bytes = 0
+        """Bytes copied directly (read or written) so far; the rest went through ``inner``."""
 
     @property
     def inner(self) -> TransferEngine:
@@ -319,6 +321,7 @@ class SameHostEngine:
         check_remote_ranges(remote, batch, address.pid)
         try:
             copy_between(address.pid, batch, read)
+            self.direct_bytes += batch.total_bytes
         except DirectCopyRefused as refused:
             log.warning("%s; using the %s engine for pid %d from now on", refused,
                         self._inner.backend, address.pid)

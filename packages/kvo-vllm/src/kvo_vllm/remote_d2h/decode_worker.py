@@ -35,7 +35,9 @@ from kvo_transport.control import (
     DestinationLayer,
     RequestDestination,
 )
+from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
+from kvo_transport.samehost_engine import SameHostEngine
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
 from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches, merged_regions, transfer_engine_for
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
@@ -93,6 +95,7 @@ class DecodePuller:
         self._returning: list[_Returning] = []
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
         self._engine: GuardedEngine | None = None
+        self._raw: TransferEngine | None = None
         self._receiver: DecodeReceiver | None = None
         self._registered: list[int] = []
 
@@ -126,6 +129,7 @@ class DecodePuller:
         for start, end in merged_regions((r.base, r.end) for r in regions):
             raw.register(start, end - start)
             self._registered.append(start)
+        self._raw = raw
         wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
         self._engine = GuardedEngine(wrapped, regions)
         self._receiver = DecodeReceiver(
@@ -298,6 +302,8 @@ class DecodePuller:
                 "refused_reads": (0 if self._receiver is None
                                   else self._receiver.destinations.refused_reads),
                 "engine_wrapper": _wrapper_snapshot(engine),
+                "same_host_bytes": self._raw.direct_bytes
+                if isinstance(self._raw, SameHostEngine) else 0,
                 "in_flight": len(self._recvs),
                 "returning": len(self._returning),
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads}
