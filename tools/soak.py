@@ -141,15 +141,14 @@ def _bad_frames(endpoint: str, stop: threading.Event) -> None:
     import zmq
 
     from kvo_transport.frame_auth import AuthCounters, ControlKey, PrefillChannel
-    from kvo_transport.protocol import PROTOCOL_VERSION, ReadReadyBatch, ReadyRequest, encode
+    from kvo_transport.protocol import PROTOCOL_VERSION, ReadReadyBatch, encode
 
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     ready = encode(ReadReadyBatch(version=PROTOCOL_VERSION, seq=1, layer_index=0,
-                                  layer_name="model.layers.0.self_attn.attn", member=0, ratio=1,
-                                  requests=(ReadyRequest("x", 0, 1, (0,)),)))
+                                  layer_name="model.layers.0.self_attn.attn", member=0, ratio=1))
     forger = PrefillChannel(ControlKey.from_secret("not the soak's secret!"), AuthCounters())
     frames = [ready, b"\x00garbage", b"KVA1" + bytes(80), forger.seal_hello(ready)]
     try:
