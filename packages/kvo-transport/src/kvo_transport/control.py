@@ -10,7 +10,6 @@ from __future__ import annotations
 from kvo_transport.decode_side import (
     ControlSocketError,
     DecodeReceiver,
-    InvalidBlocks,
     InvalidCallback,
     decode_control_endpoint,
 )
@@ -28,6 +27,7 @@ from kvo_transport.read_plan import (
     RequestDestination,
     Resolver,
 )
+from kvo_transport.receive_ledger import InvalidBlocks
 
 __all__ = [
     "ControlSocketError",

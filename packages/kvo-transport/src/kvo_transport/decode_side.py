@@ -34,7 +34,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvo_core.config import CONTROL_SECRET_ENV
 from kvo_core.errors import KvoError
-from kvo_core.gates import RequestCompletionTracker
 from kvo_core.tp import TPMapping
 from kvo_transport.destinations import (
     DEFAULT_QUARANTINE_S,
@@ -76,6 +75,7 @@ from kvo_transport.read_plan import (
     intended_destination,
     plan_layer_read,
 )
+from kvo_transport.receive_ledger import InvalidBlocks, ReceiveLedger
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's enum arithmetic costs microseconds per call
 _POLLIN = int(zmq.POLLIN)
@@ -96,14 +96,6 @@ class ControlSocketError(KvoError, OSError):
     """The decode control socket cannot be bound (port in use, bad address...)."""
 
 
-@attrs.frozen
-class InvalidBlocks:
-    """Destination blocks of a request that must not be used: a read into them failed."""
-
-    main: frozenset[int] = frozenset()
-    indexer: frozenset[int] = frozenset()
-
-
 @attrs.define
 class _Session:
     """One accepted prefill connection."""
@@ -113,14 +105,6 @@ class _Session:
     part: str
     """This contributor's part name in the per-request completion tracker."""
     contributor_parts: frozenset[str]
-
-
-@attrs.define
-class _Progress:
-    """Layers each contributor has delivered for one request."""
-
-    instance_id: str
-    layers: dict[str, set[int]] = attrs.Factory(dict)
 
 
 class DecodeReceiver:
@@ -166,17 +150,12 @@ class DecodeReceiver:
         self._fence_reader = FenceReader(engine, MAX_FENCES_PER_BATCH)
         self._retired_readers: list[FenceReader] = []
         """Fence scratch a failed fence read may still land in: kept mapped until close."""
-        self._held: dict[str, str] = {}
-        """Failed requests whose destination has not settled yet (reported later)."""
         self.stale_reads = 0
         """Reads whose fence showed the source reused meanwhile (refused, for tests/metrics)."""
 
         self._lock = threading.Lock()
         self._sessions: dict[bytes, _Session] = {}
-        self._progress: dict[str, _Progress] = {}
-        self._invalid: dict[str, InvalidBlocks] = {}
-        self._forgotten: set[str] = set()
-        self._tracker = RequestCompletionTracker()
+        self._requests = ReceiveLedger()
         self.rejected_frames = 0
         """Frames dropped because they did not decode (for tests and metrics)."""
 
@@ -247,23 +226,9 @@ class DecodeReceiver:
 
     def pop_finished(self) -> tuple[set[str], dict[str, str]]:
         """Requests that reached a terminal state since the last call: (ok ids, failed -> why)."""
-        finished, failed = self._tracker.pop_finished()
-        with self._lock:
-            for request_id in itertools.chain(finished, failed):
-                self._progress.pop(request_id, None)
-            forgotten = self._forgotten & (finished | failed.keys())
-            self._forgotten -= forgotten
-            self._held.update((r, e) for r, e in failed.items() if r not in forgotten)
-            held = list(self._held.items())
-        ready: dict[str, str] = {}
-        for request_id, error in held:  # a failed read's late slices may still be landing
-            invalid = self.invalid_blocks(request_id)
-            if self.destinations.settled(blocks(invalid.main, invalid.indexer)):
-                ready[request_id] = error
-        with self._lock:
-            for request_id in ready:
-                self._held.pop(request_id, None)
-        return finished - forgotten, ready
+        # A failed one waits until no late slice of a failed read can still land in it.
+        return self._requests.pop_finished(
+            lambda invalid: self.destinations.settled(blocks(invalid.main, invalid.indexer)))
 
     def revoke(self, main: Iterable[int], indexer: Iterable[int] = ()) -> None:
         """No read may start into these destination blocks until ``restore``; never waits
@@ -280,13 +245,11 @@ class DecodeReceiver:
         return self.destinations.settled(blocks(main, indexer))
 
     def invalid_blocks(self, request_id: str) -> InvalidBlocks:
-        with self._lock:
-            return self._invalid.get(request_id, InvalidBlocks())
+        return self._requests.invalid(request_id)
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """Give up on a request's missing parts (e.g. the caller's own deadline expired)."""
-        for part in self._tracker.pending(request_id):
-            self._tracker.mark_failed(request_id, part, reason)
+        self._requests.fail_pending(request_id, reason)
 
     def forget(self, request_id: str) -> None:
         """Drop what is remembered about a request (its blocks were released).
@@ -294,12 +257,7 @@ class DecodeReceiver:
         Its missing parts are closed and it is not reported by ``pop_finished``. The resolver
         must stop returning its blocks too: a late READY then fails instead of writing.
         """
-        with self._lock:
-            self._progress.pop(request_id, None)
-            self._invalid.pop(request_id, None)
-            if self._tracker.pending(request_id):
-                self._forgotten.add(request_id)
-        self.fail_request(request_id, "forgotten by the decode")
+        self._requests.forget(request_id)
 
     # -- the serving thread -------------------------------------------------------------------
 
@@ -575,8 +533,8 @@ class DecodeReceiver:
             if target is None:
                 continue  # not a request of this rank: nothing to track or invalidate
             self._expect(session, request.request_id)
-            self._tracker.mark_failed(request.request_id, session.part,
-                                      f"layer {batch.layer_index}: {reason}")
+            self._requests.layer_failed(request.request_id, session.part,
+                                        f"layer {batch.layer_index}: {reason}")
             if dest is None:
                 continue
             main, indexer = intended_destination(dest, request, target)
@@ -587,10 +545,7 @@ class DecodeReceiver:
 
     def _invalidate(self, request_id: str, layer_index: int, main: tuple[int, ...],
                     indexer: tuple[int, ...], reason: str) -> None:
-        with self._lock:
-            known = self._invalid.get(request_id, InvalidBlocks())
-            self._invalid[request_id] = InvalidBlocks(known.main | frozenset(main),
-                                                      known.indexer | frozenset(indexer))
+        self._requests.invalidate(request_id, main, indexer)
         if self._on_invalid is not None:
             try:
                 self._on_invalid(request_id, layer_index, main, indexer, reason)
@@ -600,36 +555,21 @@ class DecodeReceiver:
 
     # -- per-request completion -----------------------------------------------------------------
 
-    def _expect(self, session: _Session, request_id: str) -> _Progress:
-        with self._lock:
-            progress = self._progress.get(request_id)
-            if progress is None:
-                progress = _Progress(instance_id=session.meta.instance_id)
-                self._progress[request_id] = progress
-                self._tracker.expect(request_id, session.contributor_parts)
-            elif progress.instance_id != session.meta.instance_id:
-                log.warning("decode %s: request %r arrives from prefill %s but started from "
-                            "prefill instance %r", self.endpoint, request_id, session.label,
-                            progress.instance_id)
-            return progress
+    def _expect(self, session: _Session, request_id: str) -> None:
+        started_from = self._requests.expect(request_id, session.meta.instance_id,
+                                             session.contributor_parts)
+        if started_from is not None:
+            log.warning("decode %s: request %r arrives from prefill %s but started from "
+                        "prefill instance %r", self.endpoint, request_id, session.label,
+                        started_from)
 
     def _record_success(self, session: _Session, batch: ReadReadyBatch) -> None:
         last = set(batch.last_layer_request_ids)
         for request in batch.requests:
-            progress = self._expect(session, request.request_id)
-            with self._lock:
-                seen = progress.layers.setdefault(session.part, set())
-                seen.add(batch.layer_index)
-                missing = (sorted(set(range(len(session.meta.layers))) - seen)
-                           if request.request_id in last else None)
-            if missing is None:
-                continue
-            if missing:
-                self._tracker.mark_failed(
-                    request.request_id, session.part,
-                    f"{session.label} sent its last layer without layers {_preview(missing)}")
-            else:
-                self._tracker.mark_done(request.request_id, session.part)
+            self._expect(session, request.request_id)
+            self._requests.layer_done(request.request_id, session.part, batch.layer_index,
+                                      len(session.meta.layers), request.request_id in last,
+                                      session.label)
 
 
 def decode_control_endpoint(host: str, kv_port: int, dp_rank: int, tp_rank: int,
