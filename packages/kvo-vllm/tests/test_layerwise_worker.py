@@ -19,6 +19,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -258,3 +261,107 @@ def test_requests_that_lost_a_load_are_named_from_that_layer_on(rig) -> None:
     assert worker.take_load_errors() == {1}
     forward(worker, caches, step_meta(save=[(2, "b2")]), {2: 2.0})
     assert worker.requests_with_failed_loads() == set()  # a new step starts clean
+
+
+# -- DSA layers: the main KV and the indexer key cache move together -------------------------
+
+DSA_MAIN = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                            cache_role=SparseCacheRole.SPARSE)
+DSA_INDEXER = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=8, dtype=torch.uint8,
+                               cache_role=SparseCacheRole.INDEXER)
+DSA_ATTN = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+DSA_KEYS = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(3)]
+
+
+@pytest.fixture
+def dsa_rig():
+    index_bytes = 3 * NUM_BLOCKS * DSA_INDEXER.page_size_bytes
+    size = index_bytes + 3 * NUM_BLOCKS * DSA_MAIN.page_size_bytes
+    specs = {**{n: DSA_MAIN for n in DSA_ATTN}, **{n: DSA_INDEXER for n in DSA_KEYS}}
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(size=size, layers=list(DSA_KEYS),
+                          layer_stride=NUM_BLOCKS * DSA_INDEXER.page_size_bytes,
+                          block_stride=DSA_INDEXER.page_size_bytes),
+            KVCacheTensor(size=size, layers=list(DSA_ATTN),
+                          layer_stride=NUM_BLOCKS * DSA_MAIN.page_size_bytes,
+                          block_stride=DSA_MAIN.page_size_bytes, offset=index_bytes)],
+        kv_cache_groups=[KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(
+            block_size=32, kv_cache_specs=specs))])
+    layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=1, prefetch_depth=0))
+    assert [list(s.layers) for s in layout.plan.slots] == [[0], [1, 2]]
+    apply_layout(config, layout)
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
+    store = MemoryStore()
+    worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=0,
+                             layer_deadline_s=5.0)
+    worker.register_kv_caches(caches)
+    yield worker, store, caches
+    worker.close()
+
+
+def dsa_forward(worker: LayerwiseWorker, caches: dict, meta: LayerwiseMetadata,
+                write: dict[int, int], seen: dict[str, torch.Tensor] | None = None) -> None:
+    """One step: per layer the indexer writes its keys, MLA its KV, then the hooks."""
+    worker.start_step(meta)
+    for layer, (attn, keys) in enumerate(zip(DSA_ATTN, DSA_KEYS, strict=True)):
+        for block, base in write.items():
+            caches[keys][block].fill_(base + layer)
+            caches[attn][block].fill_(float(base + layer))
+        worker.before_attention(attn)
+        if seen is not None:
+            seen[attn], seen[keys] = caches[attn].clone(), caches[keys].clone()
+        worker.after_attention(attn)
+    worker.finish_step()
+
+
+def test_dsa_layers_save_and_reload_main_kv_and_indexer_under_part_keys(dsa_rig) -> None:
+    worker, store, caches = dsa_rig
+    dsa_forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 10})
+    assert set(store.values) == {KEYS.key("b1", i, part) for i in range(3)
+                                 for part in ("kv", "idx")}
+    hooked: list[str] = []
+    worker.load_hook = lambda name, cache, blocks: hooked.append(name)
+    seen: dict[str, torch.Tensor] = {}
+    dsa_forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 20}, seen)
+    for i, (attn, keys) in enumerate(zip(DSA_ATTN, DSA_KEYS, strict=True)):
+        # Layer 2 took layer 1's slot; both its caches were reloaded from the store.
+        assert torch.all(seen[attn][1] == 10.0 + i) and torch.all(seen[keys][1] == 10 + i)
+        assert torch.all(seen[attn][2] == 20.0 + i) and torch.all(seen[keys][2] == 20 + i)
+    assert hooked == [DSA_ATTN[1], DSA_KEYS[1], DSA_ATTN[2], DSA_KEYS[2]]
+    main_page, index_page = DSA_MAIN.page_size_bytes, DSA_INDEXER.page_size_bytes
+    assert worker.stats.loaded_bytes_by_part == {"kv": 2 * main_page, "idx": 2 * index_page}
+    assert worker.stats.saved_bytes_by_part == {"kv": 6 * main_page, "idx": 6 * index_page}
+    assert worker.slot_key(DSA_KEYS[2]) == worker.slot_key(DSA_ATTN[1]) != worker.slot_key(
+        DSA_ATTN[0])
+
+
+def test_a_missing_indexer_part_fails_the_block(dsa_rig) -> None:
+    worker, store, caches = dsa_rig
+    dsa_forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 10})
+    del store.values[KEYS.key("b1", 2, "idx")]  # the main KV of layer 2 is still there
+    dsa_forward(worker, caches, step_meta(shared=[(1, "b1")]), {})
+    assert worker.take_load_errors() == {1}
+    assert worker.stats.failed_loads == 1 and worker.stats.missing_blocks == 1
+    assert worker.stats.loaded_blocks_by_layer[1] == 1  # layer 1 loaded both parts
+    assert worker.stats.loaded_blocks_by_layer.get(2, 0) == 0
+
+
+def test_one_key_for_two_blocks_is_read_once_and_copied(rig) -> None:
+    """Two requests with one prefix: the same stored block goes to two device blocks."""
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "h/p")]), {1: 50.0})
+    store.events.clear()
+    both = LayerwiseMetadata(requests=(
+        RequestTransfers(request_id="a", load_shared_layers=(BlockRef(1, "h/p"),)),
+        RequestTransfers(request_id="b", load_every_layer=(BlockRef(3, "h/p"),))))
+    seen: dict[str, torch.Tensor] = {}
+    forward(worker, caches, both, {}, seen)
+    for i, name in enumerate(NAMES):
+        assert torch.all(seen[name][3] == 50.0 + i), name  # the copy, in every layer
+        if i:
+            assert torch.all(seen[name][1] == 50.0 + i), name  # shared layers reloaded it
+    gets = [key for kind, key, _ in store.events if kind == "get"]
+    assert len(gets) == len(set(gets)) == 6  # one get of the key per layer, never two
+    assert worker.take_load_errors() == set()

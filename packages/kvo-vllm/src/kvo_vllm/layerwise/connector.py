@@ -13,7 +13,8 @@ vLLM 0.32 hooks used:
 
 - constructor (worker role): runs in ``Worker.initialize_from_config`` before the model runner
   allocates the KV cache from the same ``KVCacheConfig``; it rewrites ``kv_cache_tensors`` so
-  the N layers share ``I + min(B, N - I)`` physical buffers (``layout``).
+  the N layers share ``I + min(B, N - I)`` physical buffers (``layout``); a DSA layer's
+  indexer cache shares its layer's slot and moves with it (store keys name the part).
 - ``register_kv_caches``: checks the live caches alias as planned, registers them with the store.
 - ``build_connector_meta`` (scheduler): plans the step's loads and saves and sets
   ``scheduler_output.has_sync_kv_loads`` so ``start_load_kv`` runs before the forward.
@@ -84,10 +85,14 @@ def require_eager_mode(vllm_config: VllmConfig) -> None:
 
 
 def _store_namespace(vllm_config: VllmConfig, layout: LayerLayout) -> str:
+    """What both the scheduler and the workers know: their KV-cache configs differ in specs
+    (a DSA model's scheduler sees one merged spec) but not in the tensors' page sizes."""
     parallel = vllm_config.parallel_config
     return namespace_for([
-        "layerwise-v1", vllm_config.model_config.model, str(layout.dtype), layout.block_size,
-        layout.block_bytes, [layer.index for layer in layout.layers],
+        "layerwise-v2", vllm_config.model_config.model, str(vllm_config.model_config.dtype),
+        str(vllm_config.cache_config.cache_dtype), layout.block_size,
+        [(layer.index, [(part.part, part.block_bytes) for part in layer.parts])
+         for layer in layout.layers],
         parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
     ])
 
@@ -129,7 +134,7 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         else:
             self._scheduler = LayerwiseScheduler(
                 block_size=self.layout.block_size,
-                layer_indices=[layer.index for layer in self.layout.layers],
+                stored_parts=self.layout.stored_parts,
                 keys=StoreKeys(namespace=namespace),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 engine_id=engine_id, store_exists=self._store.exists,
@@ -184,15 +189,16 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         """The gates guarding buffer reuse; a composing connector reports its parts here."""
         return self.worker.gates
 
-    def slot_key(self, layer_name: str) -> SlotKey:
-        return self.worker.slot_key(layer_name)
+    def slot_key(self, cache_name: str) -> SlotKey:
+        """The buffer slot of a layer, by the name of any of its caches."""
+        return self.worker.slot_key(cache_name)
 
     def set_extra_slot_parts(self, parts: ExtraParts | None) -> None:
         """Further consumers a layer's buffer waits for before reuse (e.g. remote readers)."""
         self.worker.extra_parts = parts
 
     def set_load_hook(self, hook: LoadHook | None) -> None:
-        """Test hook: called with each layer's cache and the block ids just loaded into it."""
+        """Test hook: called with each cache (main KV, indexer) and the block ids just loaded."""
         self.worker.load_hook = hook
 
     @property

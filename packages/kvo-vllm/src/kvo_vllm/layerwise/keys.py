@@ -7,7 +7,8 @@ written (async scheduling), is stored under the request id and block position in
 keys are private to the request and removed when it finishes.
 
 The scheduler names blocks without knowing which worker will move them (``block_name``); each
-worker turns a name into its keys by adding its tensor-parallel rank and the layer index. Every
+worker turns a name into its keys by adding its tensor-parallel rank, the layer index and the
+cache part (``kv`` for the main KV, ``idx`` for a DSA layer's indexer keys). Every
 key starts with a namespace derived from what makes KV bytes interchangeable (model, dtype,
 block geometry, parallel layout), so engines with different models or layouts can share one
 store without ever reading each other's blocks.
@@ -19,6 +20,8 @@ import hashlib
 from collections.abc import Sequence
 
 import attrs
+
+from kvo_core.buffer_regions import MAIN_PART
 
 PREFIX = "kvo-lw"
 
@@ -50,8 +53,9 @@ class StoreKeys:
     namespace: str
     rank: int = 0
 
-    def key(self, block_name: str, layer: int) -> str:
-        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/L{layer}"
+    def key(self, block_name: str, layer: int, part: str = MAIN_PART) -> str:
+        """One cache part (``kv``, ``idx``) of one layer of one block, on this rank."""
+        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/L{layer}/{part}"
 
     def for_rank(self, rank: int) -> StoreKeys:
         return attrs.evolve(self, rank=rank)

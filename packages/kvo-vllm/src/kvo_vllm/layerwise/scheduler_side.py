@@ -52,11 +52,13 @@ class _RequestState:
 class LayerwiseScheduler:
     """Answers vLLM's scheduler-side connector calls for one engine."""
 
-    def __init__(self, *, block_size: int, layer_indices: Sequence[int], keys: StoreKeys,
+    def __init__(self, *, block_size: int, stored_parts: Sequence[tuple[int, str]],
+                 keys: StoreKeys,
                  tp_size: int, engine_id: str, store_exists: Callable[[list[str]], list[bool]],
                  block_ids_of: Callable[[str], list[int]]) -> None:
         self._block_size = block_size
-        self._layers = tuple(layer_indices)
+        self._parts = tuple(stored_parts)
+        """(layer index, part) of every cache a block is stored as (``LayerLayout``)."""
         self._keys = keys
         self._tp_size = tp_size
         self._engine_id = engine_id
@@ -71,7 +73,7 @@ class LayerwiseScheduler:
         self._requests[request.request_id] = _RequestState(request=request)
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` whose every layer (and rank) is in the store.
+        """Tokens beyond ``num_computed_tokens`` whose every layer, part and rank is stored.
 
         Whole blocks only, and never the last prompt token: vLLM must compute at least one
         token to sample from.
@@ -82,9 +84,10 @@ class LayerwiseScheduler:
         if last <= first or num_computed_tokens % size:
             return 0
         names = [hashed_block_name(h) for h in request.block_hashes[first:last]]
-        per_block = len(self._layers) * self._tp_size
-        keys = [self._keys.for_rank(rank).key(name, layer)
-                for name in names for rank in range(self._tp_size) for layer in self._layers]
+        per_block = len(self._parts) * self._tp_size
+        keys = [self._keys.for_rank(rank).key(name, layer, part)
+                for name in names for rank in range(self._tp_size)
+                for layer, part in self._parts]
         try:
             present = self._exists(keys)
         except Exception as error:  # a store outage is a cache miss, not a failed request

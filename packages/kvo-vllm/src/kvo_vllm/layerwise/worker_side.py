@@ -40,13 +40,15 @@ import torch
 from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
 from kvo_core.gates import SlotGates, SlotKey
 from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
-from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, check_aliasing
+from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 
 logger = logging.getLogger(__name__)
 
 LoadHook = Callable[[str, torch.Tensor, list[int]], None]
-"""Called after a layer's blocks were loaded: (layer name, layer cache, loaded block ids)."""
+"""Called after a layer's blocks were loaded, once per cache part: (cache name, cache, loaded
+block ids). A dense layer has one cache (named like the layer); a DSA layer two (its MLA cache
+and its indexer's key cache)."""
 ExtraParts = Callable[[str, int], Iterable[str]]
 """Further consumers of a layer's buffer for one step: (layer name, step) -> part names."""
 
@@ -80,6 +82,9 @@ class LayerwiseStats:
     step_end_wait_seconds: float = 0.0
     """Time ``wait_for_save`` waited for the step's last saves (not overlapped with compute)."""
     loaded_blocks_by_layer: dict[int, int] = attrs.field(factory=dict)
+    saved_bytes_by_part: dict[str, int] = attrs.field(factory=dict)
+    """Bytes saved per cache part (``kv``, ``idx``)."""
+    loaded_bytes_by_part: dict[str, int] = attrs.field(factory=dict)
 
     def metric_counters(self) -> dict[str, float]:
         """The cumulative counters kvo exports to vLLM's metrics (``kvo_vllm.metrics``)."""
@@ -98,11 +103,39 @@ class LayerwiseStats:
 
 
 @attrs.frozen
-class _Buffer:
-    layer: PlannedLayer
+class _Part:
+    planned: PlannedPart
     tensor: torch.Tensor
     pointer: int
+
+    def address(self, block_id: int) -> int:
+        return self.pointer + block_id * self.planned.block_bytes
+
+
+@attrs.frozen
+class _Buffer:
+    layer: PlannedLayer
+    parts: tuple[_Part, ...]
+    """Main KV first, then the indexer: every cache a block of this layer is stored as."""
     slot: SlotKey
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The main KV cache."""
+        return self.parts[0].tensor
+
+    def keys(self, keys: StoreKeys, refs: Iterable[BlockRef]) -> list[str]:
+        """Store keys of ``refs`` in every part, part by part."""
+        refs = list(refs)
+        return [keys.key(ref.name, self.layer.index, part.planned.part)
+                for part in self.parts for ref in refs]
+
+    def transfers(self, keys: StoreKeys, refs: list[BlockRef]) -> tuple[list[str], list[int],
+                                                                          list[int]]:
+        """(keys, addresses, sizes) of ``refs`` in every part, part by part."""
+        addresses = [part.address(ref.block_id) for part in self.parts for ref in refs]
+        sizes = [part.planned.block_bytes for part in self.parts for _ in refs]
+        return self.keys(keys, refs), addresses, sizes
 
 
 class LayerwiseWorker:
@@ -121,6 +154,8 @@ class LayerwiseWorker:
         self.stats = LayerwiseStats()
         self._stats_lock = threading.Lock()
         self._buffers: dict[str, _Buffer] = {}
+        self._layer_of_cache = {name: layer.name
+                                for name, layer in layout.by_cache_name().items()}
         self._order: list[str] = [layer.name for layer in layout.layers]
         self._position = {name: i for i, name in enumerate(self._order)}
         self._registered: list[int] = []
@@ -146,11 +181,12 @@ class LayerwiseWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         check_aliasing(self.layout, kv_caches)
         for layer in self.layout.layers:
-            tensor = kv_caches[layer.name]
-            self._buffers[layer.name] = _Buffer(layer=layer, tensor=tensor,
-                                                pointer=tensor.data_ptr(),
-                                                slot=(tensor.data_ptr(),))
-        start = min(b.pointer for b in self._buffers.values())
+            parts = tuple(_Part(planned=part, tensor=kv_caches[part.cache_name],
+                                pointer=kv_caches[part.cache_name].data_ptr())
+                          for part in layer.parts)
+            self._buffers[layer.name] = _Buffer(layer=layer, parts=parts,
+                                                slot=(parts[0].pointer,))
+        start = min(part.pointer for b in self._buffers.values() for part in b.parts)
         self.store.register(start, self.layout.physical_bytes)
         self._registered.append(start)
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
@@ -158,8 +194,9 @@ class LayerwiseWorker:
                     self.layout.logical_bytes,
                     self.layout.physical_bytes / self.layout.logical_bytes)
 
-    def slot_key(self, layer_name: str) -> SlotKey:
-        return self._buffers[layer_name].slot
+    def slot_key(self, cache_name: str) -> SlotKey:
+        """The slot of the layer owning ``cache_name`` (a layer's main KV or indexer cache)."""
+        return self._buffers[self._layer_of_cache.get(cache_name, cache_name)].slot
 
     # -- one step -----------------------------------------------------------------------
 
@@ -205,7 +242,7 @@ class LayerwiseWorker:
         if self.extra_parts is not None:
             parts.update(self.extra_parts(layer_name, self._step))
         self.gates.close(buffer.slot, parts)
-        saves = self._trusted_saves(buffer.layer.index)
+        saves = self._trusted_saves(buffer)
         self._save_futures.append(self._saver.submit(self._save_layer, buffer, part, saves))
         position = self._position[layer_name] + 1
         if position < len(self._order):
@@ -243,8 +280,9 @@ class LayerwiseWorker:
         for request_id in request_ids:
             names |= self._request_blocks.pop(request_id, set())
         if names:
-            keys = [self.keys.key(name, layer.index)
-                    for name in sorted(names) for layer in self.layout.layers]
+            refs = [BlockRef(block_id=0, name=name) for name in sorted(names)]
+            keys = [key for buffer in self._buffers.values()
+                    for key in buffer.keys(self.keys, refs)]
             self._cleaner.submit(self._remove_quietly, keys)
 
     def close(self) -> None:
@@ -288,8 +326,8 @@ class LayerwiseWorker:
         self._step_failed.update(failed)
         self._ready.add(name)
 
-    def _trusted_saves(self, layer: int) -> list[BlockRef]:
-        """The step's saves for ``layer``, less those of requests a failed load made wrong.
+    def _trusted_saves(self, buffer: _Buffer) -> list[BlockRef]:
+        """The step's saves for a layer, less those of requests a failed load made wrong.
 
         A request that lost a load in this layer or an earlier one attended over KV that is
         not its own; everything it computed from that layer on is wrong. It is not saved, and
@@ -308,7 +346,7 @@ class LayerwiseWorker:
         kept = {ref.name for ref in trusted}
         dropped = sorted({ref.name for ref in self._saves} - kept)
         if dropped:
-            self._poison([self.keys.key(name, layer) for name in dropped])
+            self._poison(buffer.keys(self.keys, [BlockRef(0, name) for name in dropped]))
         return trusted
 
     def _wait_slot(self, buffer: _Buffer) -> None:
@@ -324,53 +362,87 @@ class LayerwiseWorker:
                 self.gates.mark_failed(buffer.slot, part, error)
 
     def _load_layer(self, buffer: _Buffer) -> list[int]:
+        """Load the step's blocks into every part of the layer; the block ids that failed.
+
+        A block is loaded only when all its parts are: one part missing (or poisoned) fails
+        the block, and vLLM recomputes it.
+        """
         self._wait_slot(buffer)
         refs = self._loads[buffer.layer.shared]
         if not refs:
             return []
         started = time.perf_counter()
         layer = buffer.layer.index
-        size = self.layout.block_bytes
-        keys = [self.keys.key(ref.name, layer) for ref in refs]
+        keys, addrs, sizes = buffer.transfers(self.keys, refs)
+        # Two requests with one prefix load the same key into two device blocks. Each key is
+        # read from the store once (a batched get does not fill two destinations of one key:
+        # measured with Mooncake) and copied to its other blocks on the device.
+        first_of: dict[str, int] = {}
+        copies: list[tuple[int, int]] = []
         with self._poison_lock:
-            usable = [key not in self._poisoned for key in keys]
-        chosen = [i for i, ok in enumerate(usable) if ok]
-        found = [False] * len(refs)
-        missing = 0
+            for i, key in enumerate(keys):
+                if key in self._poisoned:
+                    continue
+                if key in first_of:
+                    copies.append((i, first_of[key]))
+                else:
+                    first_of[key] = i
+        chosen = list(first_of.values())
+        found = [False] * len(keys)
+        count = len(refs)
+        absent: set[int] = set()  # keys the store answered as not there
         if chosen:
             result = self._get_with_retries(buffer, [keys[i] for i in chosen],
-                                            [buffer.pointer + refs[i].block_id * size
-                                             for i in chosen], size)
+                                            [addrs[i] for i in chosen],
+                                            [sizes[i] for i in chosen])
             if result is not None:
                 for i, ok in zip(chosen, result, strict=True):
                     found[i] = bool(ok)
-                missing = sum(1 for ok in result if not ok)
-        failed = [ref.block_id for ref, ok in zip(refs, found, strict=True) if not ok]
-        loaded = [ref.block_id for ref, ok in zip(refs, found, strict=True) if ok]
+                    if not ok:
+                        absent.add(i)
+        for target, source in copies:
+            if found[source]:
+                part = buffer.parts[target // count]
+                part.tensor[refs[target % count].block_id].copy_(
+                    part.tensor[refs[source % count].block_id])
+                found[target] = True
+            elif source in absent:
+                absent.add(target)
+        complete = [all(found[p * count + r] for p in range(len(buffer.parts)))
+                    for r in range(count)]
+        failed = [ref.block_id for ref, ok in zip(refs, complete, strict=True) if not ok]
+        loaded = [ref.block_id for ref, ok in zip(refs, complete, strict=True) if ok]
         if failed:
-            logger.warning("kvo layerwise: layer %s: %d of %d blocks missing from the store",
-                           buffer.layer.name, len(failed), len(refs))
+            lost = [key for key, ok in zip(keys, found, strict=True) if not ok]
+            logger.warning("kvo layerwise: layer %s: %d of %d blocks missing from the store "
+                           "(%d keys, e.g. %s)", buffer.layer.name, len(failed), len(refs),
+                           len(lost), lost[:2])
         if self.load_hook is not None and loaded:
-            self.load_hook(buffer.layer.name, buffer.tensor, loaded)
+            for part in buffer.parts:
+                self.load_hook(part.planned.cache_name, part.tensor, loaded)
         with self._stats_lock:
             self.stats.loaded_blocks += len(loaded)
             by_layer = self.stats.loaded_blocks_by_layer
             by_layer[layer] = by_layer.get(layer, 0) + len(loaded)
-            self.stats.loaded_bytes += len(loaded) * size
+            for part in buffer.parts:
+                moved = len(loaded) * part.planned.block_bytes
+                self.stats.loaded_bytes += moved
+                by_part = self.stats.loaded_bytes_by_part
+                by_part[part.planned.part] = by_part.get(part.planned.part, 0) + moved
             self.stats.failed_loads += len(failed)
-            self.stats.missing_blocks += missing
+            self.stats.missing_blocks += len({i % count for i in absent})
             self.stats.load_seconds += time.perf_counter() - started
         return failed
 
     def _get_with_retries(self, buffer: _Buffer, keys: list[str], addrs: list[int],
-                          size: int) -> list[bool] | None:
+                          sizes: list[int]) -> list[bool] | None:
         """The store's per-key answer, or None when every try raised (all keys failed).
 
         A raised get may have written part of the destination; a retry rewrites all of it.
         """
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             try:
-                return list(self.store.get_into(keys, addrs, [size] * len(keys)))
+                return list(self.store.get_into(keys, addrs, sizes))
             except Exception as error:
                 if attempt == LOAD_ATTEMPTS:
                     logger.error("kvo layerwise: loading layer %s failed after %d tries: %s",
@@ -383,18 +455,15 @@ class LayerwiseWorker:
 
     def _save_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         started = time.perf_counter()
-        layer = buffer.layer.index
-        size = self.layout.block_bytes
-        keys = [self.keys.key(ref.name, layer) for ref in refs]
+        keys, addrs, sizes = buffer.transfers(self.keys, refs)
         try:
             if keys:
-                self.store.put_from(keys, [buffer.pointer + ref.block_id * size for ref in refs],
-                                    [size] * len(keys))
+                self.store.put_from(keys, addrs, sizes)
         except Exception as error:
             logger.error("kvo layerwise: saving layer %s failed: %s", buffer.layer.name, error)
             self._poison(keys)
             with self._stats_lock:
-                self.stats.failed_saves += len(keys)
+                self.stats.failed_saves += len(refs)
             self.gates.mark_failed(buffer.slot, part, error)
             return
         if not self.gates.mark_done(buffer.slot, part):
@@ -404,8 +473,12 @@ class LayerwiseWorker:
         with self._poison_lock:
             self._poisoned.difference_update(keys)
         with self._stats_lock:
-            self.stats.saved_blocks += len(keys)
-            self.stats.saved_bytes += len(keys) * size
+            self.stats.saved_blocks += len(refs)
+            self.stats.saved_bytes += sum(sizes)
+            for cache in buffer.parts:
+                by_part = self.stats.saved_bytes_by_part
+                by_part[cache.planned.part] = (by_part.get(cache.planned.part, 0)
+                                               + len(refs) * cache.planned.block_bytes)
             self.stats.save_seconds += time.perf_counter() - started
 
     def _poison(self, keys: list[str]) -> None:

