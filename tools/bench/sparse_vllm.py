@@ -49,13 +49,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     group.add_argument("--quick", action="store_true", help="1K context, batch 1 and 4")
     group.add_argument("--full", action="store_true", help="4K/16K/32K, batch 1 and 8")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--contexts", type=int, nargs="+", help="context lengths (tokens)")
+    parser.add_argument("--batches", type=int, nargs="+", help="concurrent requests")
     args = parser.parse_args(argv)
+    contexts, batches = args.contexts, args.batches
     if args.full:
         args.contexts, args.batches = [4096, 16384, 32768], [1, 8]
     elif args.quick:
         args.contexts, args.batches = [1024], [1, 4]
     else:
         args.contexts, args.batches = [1024, 4096], [1, 4]
+    args.contexts, args.batches = contexts or args.contexts, batches or args.batches
+    if any(n < 64 for n in args.contexts) or any(b < 1 for b in args.batches):
+        parser.error("--contexts must be >= 64 tokens and --batches >= 1")
     if args.decode_tokens < 4:
         parser.error("--decode-tokens must be >= 4")
     return args
