@@ -4,7 +4,8 @@ A tiny random ``DeepseekV32ForCausalLM`` (4 layers, index_topk 32) runs in vLLM-
 kvo's plugins (resident mode), once plainly and once with the layerwise connector (4 layers
 in 3 physical buffers, real Mooncake store). vLLM registers two caches per layer: the MLA
 cache (``...self_attn.attn``) and the lightning indexer's key cache
-(``...self_attn.indexer.k_cache``); both share their layer's slot and both move through the
+(``...self_attn.indexer.k_cache``, bf16 keys or C8: int8 keys with their fp16 scale in each
+row; every test runs for both); both share their layer's slot and both move through the
 store (keys ``.../L<n>/kv`` and ``.../L<n>/idx``). A cold run must give exactly the plain
 engine's tokens and logprobs. vLLM-CPU disables its own prefix cache for MLA models ("MLA is
 enabled on a non-GPU platform; forcing ... prefix caching to be disabled"), so plain vLLM has
@@ -77,10 +78,17 @@ def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             index_topk=INDEX_TOPK)
 
 
-def _engine(model: Path, **extra: Any) -> Any:
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def indexer_dtype(request: pytest.FixtureRequest) -> str:
+    """kvo's indexer cache rows: bf16 keys (256 bytes) or C8 (int8 keys + fp16 scale, 132)."""
+    return str(request.param)
+
+
+def _engine(model: Path, indexer_dtype: str, **extra: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
+               additional_config={"kvo_sparse": {"indexer_kv_dtype": indexer_dtype}},
                distributed_executor_backend="uni", max_model_len=1024, max_num_seqs=4,
                max_num_batched_tokens=STEP_TOKENS, seed=0, **extra)
 
@@ -111,8 +119,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(engine_env: None, dsv32_model: Path) -> Reference:
-    llm = _engine(dsv32_model)
+def reference(engine_env: None, dsv32_model: Path, indexer_dtype: str) -> Reference:
+    llm = _engine(dsv32_model, indexer_dtype)
     try:
         return Reference(cold=_generate(llm))
     finally:
@@ -151,7 +159,7 @@ class KvoEngine:
 
 
 @pytest.fixture(scope="module")
-def kvo(engine_env: None, dsv32_model: Path, master: Any,
+def kvo(engine_env: None, dsv32_model: Path, indexer_dtype: str, master: Any,
         reference: Reference) -> Iterator[KvoEngine]:
     from vllm.config import KVTransferConfig
 
@@ -161,7 +169,7 @@ def kvo(engine_env: None, dsv32_model: Path, master: Any,
         kv_connector_extra_config={"store_master_address": master.address,
                                    "shared_buffers": SHARED_BUFFERS,
                                    "independent_layers": [0], "prefetch_depth": 1})
-    llm = _engine(dsv32_model, kv_transfer_config=transfer)
+    llm = _engine(dsv32_model, indexer_dtype, kv_transfer_config=transfer)
     try:
         yield KvoEngine(llm=llm, cold=_generate(llm))
     finally:
@@ -210,7 +218,8 @@ def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Refer
     assert stats.failed_loads == 0 and stats.failed_saves == 0
 
 
-def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine) -> None:
+def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine,
+                                                             indexer_dtype: str) -> None:
     caches = kvo.llm.collective_rpc(_live_caches)[0]
     main = {name: ptr for name, (ptr, _) in caches.items() if name.endswith(".attn")}
     indexer = {name: ptr for name, (ptr, _) in caches.items()
@@ -224,6 +233,8 @@ def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine) -> 
         assert sorted(sorted(layers) for layers in by_pointer.values()) == [[0], [1, 3], [2]]
     layout = _worker_connector().layout
     assert layout.part_names == ("kv", "idx")
+    row_bytes = {"bfloat16": 256, "int8": 128 + 2 + 2}[indexer_dtype]  # C8: keys, scale, pad
+    assert {layer.parts[1].block_bytes for layer in layout.layers} == {BLOCK_SIZE * row_bytes}
     assert layout.physical_buffers == 3
     assert layout.physical_bytes * NUM_LAYERS == layout.logical_bytes * 3
 
