@@ -119,6 +119,22 @@ def test_prefill_abort_before_the_last_chunk_is_abandoned() -> None:
     assert _step(scheduler, {}).abandoned_sends == ("r",)
 
 
+def test_prefill_preemption_of_a_published_send_is_told_to_the_worker() -> None:
+    """vLLM frees a preempted request's blocks without asking the connector: the worker must
+    advance the request's epoch word before the step that may overwrite them."""
+    scheduler = _scheduler({"r": list(range(6)), "q": [7, 8]})
+    request = _prefill_request("r", 22, stop=5)
+    quiet = _prefill_request("q", 8, stop=1)
+    scheduler.on_new_request(request)
+    scheduler.on_new_request(quiet)
+    _step(scheduler, {"r": 6})
+    metadata = scheduler.build_metadata(SimpleNamespace(num_scheduled_tokens={},
+                                                        preempted_req_ids={"r", "q", "x"}))
+    assert metadata.preempted_sends == ("t-r",)  # q never published, x is not a send
+    assert metadata.has_sends  # so start_load_kv runs before the forward
+    assert _step(scheduler, {}).preempted_sends == ()
+
+
 @settings(max_examples=150, deadline=None)
 @given(prompt=st.integers(min_value=BS + 1, max_value=60), data=st.data())
 def test_prefill_sends_every_wanted_block_complete(prompt: int, data: Any) -> None:

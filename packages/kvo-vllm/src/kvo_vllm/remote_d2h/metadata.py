@@ -55,7 +55,10 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     """Decode: new destinations to register and advertise."""
     revoked_recvs: tuple[str, ...] = ()
     """Decode: request ids whose pull must stop (aborted); each is answered once as received."""
+    preempted_sends: tuple[str, ...] = ()
+    """Prefill: transfer ids whose request vLLM preempted (its blocks were freed without the
+    connector): their epoch words advance before this step's forward may overwrite them."""
 
     @property
     def has_sends(self) -> bool:
-        return bool(self.sends)
+        return bool(self.sends or self.preempted_sends)

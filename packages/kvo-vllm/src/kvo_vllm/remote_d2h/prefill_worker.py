@@ -160,6 +160,9 @@ class PrefillSender:
 
     def start_step(self, metadata: RemoteD2HMetadata) -> None:
         self._step += 1
+        if self._fences is not None:
+            for transfer_id in metadata.preempted_sends:  # before this forward reuses blocks
+                self._fences.release(transfer_id)
         for request_id in metadata.abandoned_sends:
             self._abandon(request_id)
         chunks = []

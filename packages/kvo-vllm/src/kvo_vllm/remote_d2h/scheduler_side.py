@@ -121,9 +121,17 @@ class RemoteD2HScheduler:
             chunk = self._plan_chunk(state.request, state, scheduled)
             if chunk is not None:
                 sends.append(chunk)
+        # vLLM frees a preempted request's blocks itself (no request_finished): a decode still
+        # reading them must fail its fence before this step writes them.
+        preempted = tuple(state.params.transfer_id
+                          for request_id in sorted(getattr(scheduler_output,
+                                                           "preempted_req_ids", None) or ())
+                          if (state := self._sends.get(request_id)) is not None
+                          and state.published)
         metadata = RemoteD2HMetadata(
             sends=tuple(sends), abandoned_sends=tuple(self._abandoned),
-            recvs=tuple(self._new_recvs), revoked_recvs=tuple(self._revoked))
+            recvs=tuple(self._new_recvs), revoked_recvs=tuple(self._revoked),
+            preempted_sends=preempted)
         self._abandoned, self._new_recvs, self._revoked = [], [], []
         return metadata
 
