@@ -69,6 +69,22 @@ def test_put_get_exists_remove_round_trip(store: MooncakeKVStore, buf: torch.Ten
     assert store.get_into(["rt/a"], [slot(buf, 10)], [BLOCK]) == [False]
 
 
+def test_a_key_named_twice_in_one_get_fills_both_destinations(
+        store: MooncakeKVStore, buf: torch.Tensor) -> None:
+    """Mooncake's own batch get reports success for both but writes one destination."""
+    block(buf, 0).copy_(pattern(31, BLOCK))
+    store.put_from(["dup/a"], [slot(buf, 0)], [BLOCK])
+    for i in (20, 21, 22):
+        block(buf, i).fill_(0)
+    found = store.get_into(["dup/a", "dup/absent", "dup/a"],
+                           [slot(buf, 20), slot(buf, 21), slot(buf, 22)], [BLOCK] * 3)
+    assert found == [True, False, True]
+    assert torch.equal(block(buf, 20), pattern(31, BLOCK))
+    assert torch.equal(block(buf, 22), pattern(31, BLOCK))
+    assert not block(buf, 21).any()
+    store.remove(["dup/a"])
+
+
 def test_put_overwrites_an_existing_key(store: MooncakeKVStore, buf: torch.Tensor) -> None:
     block(buf, 0).copy_(pattern(1, BLOCK))
     store.put_from(["ow/k"], [slot(buf, 0)], [BLOCK])

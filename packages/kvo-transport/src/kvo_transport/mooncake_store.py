@@ -12,6 +12,7 @@ call has to find out, and half-opens it once the master accepts connections agai
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -167,10 +168,24 @@ class MooncakeKVStore(BufferStore):
         batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=False)
         if not batch.keys:
             return []
-        codes = store.batch_get_into(batch.keys, batch.addrs, batch.lengths)
+        # Mooncake answers a key named twice in one batch with success for both destinations
+        # but writes only one (measured): ask for each key once, then copy it locally.
+        first: dict[str, int] = {}
+        for i, key in enumerate(batch.keys):
+            first.setdefault(key, i)
+        asked = sorted(first.values())
+        codes = store.batch_get_into([batch.keys[i] for i in asked],
+                                     [batch.addrs[i] for i in asked],
+                                     [batch.lengths[i] for i in asked])
+        code_of = dict(zip(asked, codes, strict=True))
+        codes = [code_of[first[key]] for key in batch.keys]
         found: list[bool] = []
         failed: dict[str, str] = {}
-        for key, size, code in zip(batch.keys, batch.lengths, codes, strict=True):
+        for i, (key, size, code) in enumerate(zip(batch.keys, batch.lengths, codes,
+                                                  strict=True)):
+            source = first[key]
+            if source != i and code == batch.lengths[source] == size:
+                ctypes.memmove(batch.addrs[i], batch.addrs[source], size)
             if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
                 found.append(False)
             elif code == size:
