@@ -17,7 +17,7 @@ same DRAM: the step times compare the two data paths (the offload path's extra r
 and copies), not a PCIe link. The machine is shared: quote medians side by side from one run.
 
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
-  [--decode-tokens N] [--json PATH]
+  [--decode-tokens N] [--reps N] [--json PATH]
   default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
   32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
 """
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--contexts", type=int, nargs="+", help="context lengths (tokens)")
     parser.add_argument("--batches", type=int, nargs="+", help="concurrent requests")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="runs per mode and case, alternating which mode goes first")
     args = parser.parse_args(argv)
     contexts, batches = args.contexts, args.batches
     if args.full:
@@ -64,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.contexts, args.batches = contexts or args.contexts, batches or args.batches
     if any(n < 64 for n in args.contexts) or any(b < 1 for b in args.batches):
         parser.error("--contexts must be >= 64 tokens and --batches >= 1")
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
     if args.decode_tokens < 4:
         parser.error("--decode-tokens must be >= 4")
     return args
@@ -218,17 +222,27 @@ def run_mode(model: Path, mode: str, context: int, batch: int,
     return row
 
 
-def run_case(model: Path, context: int, batch: int, decode_tokens: int) -> dict[str, Any]:
-    """Both modes, each in a fresh process (vLLM-CPU binds its threads once per process)."""
-    row: dict[str, Any] = {"context": context, "batch": batch}
-    answers = {}
-    for mode in ("resident", "offload"):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            subprocess.run([sys.executable, __file__, "--one", mode, str(context), str(batch),
-                            str(decode_tokens), str(model), out.name], check=True)
-            result = json.loads(Path(out.name).read_text())
-        answers[mode] = result.pop("answers")
-        row.update(result)
+def run_case(model: Path, context: int, batch: int, decode_tokens: int,
+             reps: int = 1) -> dict[str, Any]:
+    """Both modes, each in a fresh process (vLLM-CPU binds its threads once per process);
+    with ``reps`` > 1 the modes alternate who goes first and the step times are the medians
+    over the repetitions (a busy machine then slows both alike)."""
+    row: dict[str, Any] = {"context": context, "batch": batch, "reps": reps}
+    answers: dict[str, list[Any]] = {}
+    steps: dict[str, list[float]] = {"resident": [], "offload": []}
+    for rep in range(reps):
+        for mode in (("resident", "offload") if rep % 2 == 0 else ("offload", "resident")):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                subprocess.run([sys.executable, __file__, "--one", mode, str(context),
+                                str(batch), str(decode_tokens), str(model), out.name],
+                               check=True)
+                result = json.loads(Path(out.name).read_text())
+            answers.setdefault(mode, result.pop("answers"))
+            steps[mode].append(result[f"{mode}_step_ms"])
+            row.update(result)
+    for mode, values in steps.items():
+        row[f"{mode}_step_ms"] = statistics.median(values)
+        row[f"{mode}_tokens_per_s"] = batch / (row[f"{mode}_step_ms"] / 1e3)
     row["step_ratio"] = row["offload_step_ms"] / row["resident_step_ms"]
     row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
     row["identical"] = answers["offload"] == answers["resident"]
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            rows.append(run_case(model, context, batch, args.decode_tokens))
+            rows.append(run_case(model, context, batch, args.decode_tokens, args.reps))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"sparse MLA in vLLM-CPU: offload vs resident ({NUM_LAYERS} layers, top-k "
