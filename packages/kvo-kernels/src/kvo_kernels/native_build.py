@@ -12,10 +12,12 @@ threads from loading twice.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +33,7 @@ HEADERS = ("residency_rows.h", "lru_log.h", "residency_scan.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
+log = logging.getLogger("kvo.kernels.native_build")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -57,6 +60,26 @@ def extension_name() -> str:
     return f"{EXTENSION_PREFIX}_{digest.hexdigest()[:16]}"
 
 
+STALE_LOCK_S = 900.0
+"""A build lock older than this is left by a builder that died (killed mid-build): a build
+takes about a minute here, several on a loaded machine. PyTorch would wait on it forever."""
+
+
+def reclaim_stale_lock(directory: Path, *, now: float | None = None) -> bool:
+    """Remove ``directory/lock`` when it is older than ``STALE_LOCK_S``; True if removed."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing %s: a build lock %.0f s old, left by a build that did not finish",
+                lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _compiler() -> str:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
@@ -79,6 +102,7 @@ def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
+    reclaim_stale_lock(directory)
     try:
         module = cpp_extension.load(
             name=name,
