@@ -51,7 +51,8 @@ Answers = list[tuple[list[int], list[float]]]
 @pytest.fixture(scope="module")
 def engine_env() -> Iterator[None]:
     wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "KVO_OFFLOAD_HISTORY": "1000000"}  # the tests read every layer call
     saved = {name: os.environ.get(name) for name in wanted}
     for name, value in wanted.items():
         os.environ.setdefault(name, value)

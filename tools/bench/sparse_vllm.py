@@ -273,7 +273,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def _environment() -> None:
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
-                        ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_CPU_KVCACHE_SPACE", "2")):
+                        ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_CPU_KVCACHE_SPACE", "2"),
+                        ("KVO_OFFLOAD_HISTORY", "100000000")):  # every layer call is read
         os.environ.setdefault(name, value)
     os.environ.pop("KVO_SPARSE_CONFIG", None)
 

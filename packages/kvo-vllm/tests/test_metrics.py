@@ -3,6 +3,7 @@ the Prometheus series built from it (on a private registry, with vLLM's own base
 
 from __future__ import annotations
 
+import os
 import pickle
 from types import SimpleNamespace
 from typing import Any
@@ -11,10 +12,14 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvo_core.errors import ConfigError
+from kvo_vllm.dsa import offload_metrics
+from kvo_vllm.dsa.offload_metrics import offload_counters
+from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats, OffloadTotals
 from kvo_vllm.layerwise.worker_side import LayerwiseStats
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     METRICS,
+    SPARSE_OFFLOAD_METRICS,
     CounterDeltas,
     KvoConnectorStats,
     build_prom_metrics,
@@ -109,3 +114,109 @@ def test_prometheus_series_count_what_the_stats_carried() -> None:
     assert value("vllm:kvo_remote_d2h_pull_latency_seconds_count", labels) == 2
     assert value("vllm:kvo_remote_d2h_pull_latency_seconds_bucket",
                  {**labels, "le": "0.005"}) == 1
+
+
+def test_gauges_keep_the_latest_level_per_source_and_sum_sources() -> None:
+    def step(source: str, level: int) -> KvoConnectorStats:
+        stats = make_stats({"sparse_offload_steps": 1}, None,
+                           {"sparse_offload_pool_rows_used": {source: level}})
+        assert stats is not None
+        return stats
+
+    total = build_stats(None)
+    for stats in (step("rank0", 100), step("rank1", 40), step("rank0", 70)):
+        total.aggregate(build_stats(stats.to_dict()))
+    reduced = total.reduce()
+    assert reduced["sparse_offload_steps"] == 3                 # counters add up
+    assert reduced["sparse_offload_pool_rows_used"] == 110      # rank0's latest + rank1's
+    # a level alone is no report: an idle server stops sending
+    assert make_stats({}, None, {"sparse_offload_pool_rows_used": {"rank0": 5}}) is None
+
+
+def test_prometheus_gauge_is_set_not_added() -> None:
+    registry = CollectorRegistry()
+    metric_types = {Counter: _on(registry, Counter), Gauge: _on(registry, Gauge),
+                    Histogram: _on(registry, Histogram)}
+    prom = build_prom_metrics(SimpleNamespace(kv_transfer_config=None), metric_types,
+                              ["engine"], {0: ["0"]}, SPARSE_OFFLOAD_METRICS)
+    for level in (300, 120):
+        prom.observe({"counters": {"sparse_offload_h2d_bytes": 1152}, "samples": {},
+                      "gauges": {"sparse_offload_pool_rows_used": {"a": level, "b": 8}}}, 0)
+    value = registry.get_sample_value
+    assert value("vllm:kvo_sparse_offload_pool_rows_used", {"engine": "0"}) == 128
+    assert value("vllm:kvo_sparse_offload_h2d_bytes_total", {"engine": "0"}) == 2304
+
+
+def _fake_worker(totals: OffloadTotals) -> Any:
+    stats = OffloadStats()
+    stats.totals = totals
+    return SimpleNamespace(stats=stats)
+
+
+def test_offload_counters_name_every_sparse_offload_counter() -> None:
+    counters = offload_counters(OffloadTotals())
+    assert set(counters) == {name for name, metric in SPARSE_OFFLOAD_METRICS.items()
+                             if metric.kind == "counter"}
+
+
+def test_offload_increments_are_handed_out_once_per_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two connectors of one process (KvoMultiConnector's halves) must not count a miss twice."""
+    totals = OffloadTotals(steps=2, calls=4, selected=40, hits=30, misses=10, h2d_bytes=11520,
+                           full_reload_bytes=99999, residency_seconds=0.5, pool_rows_used=77)
+    workers = [_fake_worker(totals)]
+    monkeypatch.setattr(offload_metrics, "offload_workers", lambda: workers)
+    monkeypatch.setattr(offload_metrics, "_DELTAS", CounterDeltas())
+    first = offload_metrics.connector_stats({"layerwise_saved_bytes": 64})
+    second = offload_metrics.connector_stats({"remote_d2h_pulled_bytes": 32})
+    assert first is not None and second is not None
+    assert first.data["counters"]["sparse_offload_misses"] == 10
+    assert first.data["counters"]["layerwise_saved_bytes"] == 64
+    assert first.data["gauges"]["sparse_offload_pool_rows_used"] == {str(os.getpid()): 77}
+    assert "sparse_offload_misses" not in second.data["counters"]   # already handed out
+    assert second.data["counters"] == {"remote_d2h_pulled_bytes": 32}
+    totals.misses += 3
+    totals.h2d_bytes += 3 * 1152
+    third = offload_metrics.connector_stats({})
+    assert third is not None
+    assert third.data["counters"] == {"sparse_offload_misses": 3,
+                                      "sparse_offload_h2d_bytes": 3456}
+    assert offload_metrics.connector_stats({}) is None                # nothing new
+
+
+def test_offload_stats_history_is_bounded() -> None:
+    stats = OffloadStats(history_limit=3)
+    for step in range(5):
+        stats.record(OffloadLayerStats(
+            layer=0, decode_rows=1, decode_tokens=1, pool_rows=0, selected=4, hits=step,
+            misses=4 - step, h2d_bytes=0, full_reload_bytes=0, pool_rows_used=10 + step))
+    assert [s.hits for s in stats.history] == [2, 3, 4]
+    assert stats.totals.steps == 5 and stats.totals.pool_rows_used == 14
+    assert not OffloadStats().history.maxlen    # default: keeps none
+    with pytest.raises(ValueError, match="history_limit is -1"):
+        OffloadStats(history_limit=-1)
+
+
+def _metrics_connector_config(role: str, extra: dict[str, Any]) -> Any:
+    transfer = SimpleNamespace(kv_role=role, kv_connector_extra_config=extra,
+                               is_kv_producer=role != "kv_consumer")
+    return SimpleNamespace(kv_transfer_config=transfer)
+
+
+def test_metrics_connector_refuses_what_it_cannot_do() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvo_vllm.dsa.metrics_connector import KvoOffloadMetricsConnector
+
+    with pytest.raises(ConfigError, match=r"kv_role is 'kv_producer'.*'kv_both'"):
+        KvoOffloadMetricsConnector(_metrics_connector_config("kv_producer", {}),
+                                   KVConnectorRole.WORKER, None)
+    with pytest.raises(ConfigError, match=r"\['store_url'\].*\['stats_file'\]"):
+        KvoOffloadMetricsConnector(_metrics_connector_config("kv_both", {"store_url": "x"}),
+                                   KVConnectorRole.WORKER, None)
+    with pytest.raises(ConfigError, match="stats_file is ''"):
+        KvoOffloadMetricsConnector(_metrics_connector_config("kv_both", {"stats_file": ""}),
+                                   KVConnectorRole.WORKER, None)
+    connector = KvoOffloadMetricsConnector(_metrics_connector_config("kv_both", {}),
+                                           KVConnectorRole.SCHEDULER, None)
+    assert connector.get_num_new_matched_tokens(None, 0) == (0, False)  # type: ignore[arg-type]

@@ -8,9 +8,11 @@ which the API server exposes on ``/metrics``.
 
 kvo's connectors already keep cumulative counters (bytes saved, blocks pulled, failures...). A
 ``CounterDeltas`` turns those into the increments since the last call, so the payload is a
-plain ``{"counters": {name: increment}, "samples": {name: [values]}}`` that sums across workers
-and steps, and one catalog (``METRICS``) names every series: counter ``x`` is exported as
-``vllm:kvo_x`` (``_total`` appended by the Prometheus client), sample series as histograms.
+plain ``{"counters": {name: increment}, "samples": {name: [values]}, "gauges": {name:
+{source: level}}}`` whose counters and samples sum across workers and steps; a gauge keeps the
+latest level per source (a worker process) and exports their sum. One catalog (``METRICS``)
+names every series: counter ``x`` is exported as ``vllm:kvo_x`` (``_total`` appended by the
+Prometheus client), sample series as histograms, gauges as gauges.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from kvo_core.errors import ConfigError
 
 @attrs.frozen
 class Metric:
-    """One exported series: ``kind`` is "counter" or "histogram"; ``help`` says what it counts,
-    with its unit."""
+    """One exported series: ``kind`` is "counter", "gauge" or "histogram"; ``help`` says what
+    it counts, with its unit. A gauge's payload value is the level itself, not an increment
+    (workers' levels add up: each worker holds its own pool)."""
 
     name: str
     kind: str
@@ -89,7 +92,28 @@ REMOTE_D2H_METRICS = _catalog(
            "Destination blocks reported to vLLM as invalid after a failed pull."),
     Metric("remote_d2h_pull_latency_seconds", "histogram", "Time of one layer read (s)."),
 )
-METRICS: dict[str, Metric] = {**LAYERWISE_METRICS, **REMOTE_D2H_METRICS}
+SPARSE_OFFLOAD_METRICS = _catalog(
+    Metric("sparse_offload_steps", "counter",
+           "Decode offload: forward steps that ran the offloaded layers."),
+    Metric("sparse_offload_layer_calls", "counter",
+           "Decode offload: attention calls of offloaded layers (steps x layers)."),
+    Metric("sparse_offload_selected_entries", "counter",
+           "Decode offload: top-k entries selected by decode rows (hits + misses)."),
+    Metric("sparse_offload_hits", "counter",
+           "Decode offload: selected entries already in the device hot buffer."),
+    Metric("sparse_offload_misses", "counter",
+           "Decode offload: rows copied host -> device because they were not resident."),
+    Metric("sparse_offload_h2d_bytes", "counter",
+           "Decode offload: bytes copied host -> device (misses x row bytes)."),
+    Metric("sparse_offload_full_reload_bytes", "counter",
+           "Decode offload: bytes a reload of the decode rows' whole history would have moved."),
+    Metric("sparse_offload_residency_seconds", "counter",
+           "Decode offload: seconds in the residency update and the miss copies."),
+    Metric("sparse_offload_pool_rows_used", "gauge",
+           "Decode offload: KV rows the last step's requests hold in the host pool."),
+)
+METRICS: dict[str, Metric] = {**LAYERWISE_METRICS, **REMOTE_D2H_METRICS,
+                              **SPARSE_OFFLOAD_METRICS}
 
 
 def remote_d2h_counters(snapshot: Mapping[str, Any]) -> dict[str, float]:
@@ -148,7 +172,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 def _empty() -> dict[str, Any]:
-    return {"counters": {}, "samples": {}}
+    return {"counters": {}, "samples": {}, "gauges": {}}
 
 
 @dataclass
@@ -164,7 +188,8 @@ class KvoConnectorStats(KVConnectorStats):
             self.data = _empty()
         self.data.setdefault("counters", {})
         self.data.setdefault("samples", {})
-        _check_names([*self.data["counters"], *self.data["samples"]])
+        self.data.setdefault("gauges", {})
+        _check_names([*self.data["counters"], *self.data["samples"], *self.data["gauges"]])
 
     def to_dict(self) -> dict[str, Any]:
         return self.data
@@ -178,6 +203,8 @@ class KvoConnectorStats(KVConnectorStats):
             counters[name] = counters.get(name, 0) + value
         for name, values in other.data.get("samples", {}).items():
             samples.setdefault(name, []).extend(values)
+        for name, levels in other.data.get("gauges", {}).items():
+            self.data["gauges"].setdefault(name, {}).update(levels)   # the later level wins
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -188,18 +215,26 @@ class KvoConnectorStats(KVConnectorStats):
                 reduced[f"{name}_count"] = len(ordered)
                 reduced[f"{name}_p50"] = ordered[len(ordered) // 2]
                 reduced[f"{name}_max"] = ordered[-1]
+        for name, levels in sorted(self.data["gauges"].items()):
+            reduced[name] = sum(levels.values())
         return reduced
 
     def is_empty(self) -> bool:
         return not any(self.data["counters"].values()) and not any(
-            self.data["samples"].values())
+            self.data["samples"].values()) and not self.data["gauges"]
 
 
 def make_stats(counters: Mapping[str, float],
-               samples: Mapping[str, list[float]] | None = None) -> KvoConnectorStats | None:
-    """A stats object for vLLM, or None when nothing happened (vLLM skips None)."""
+               samples: Mapping[str, list[float]] | None = None,
+               gauges: Mapping[str, Mapping[str, float]] | None = None
+               ) -> KvoConnectorStats | None:
+    """A stats object for vLLM, or None when nothing happened (vLLM skips None).
+
+    ``gauges`` maps a gauge's name to ``{source: level}``; levels alone do not make a report
+    (they ride along with counters, so an idle server stops sending)."""
     data = {"counters": dict(counters), "samples": {k: list(v) for k, v in (samples or {}).items()
-                                                   if v}}
+                                                   if v},
+            "gauges": {name: dict(levels) for name, levels in (gauges or {}).items()}}
     if not data["counters"] and not data["samples"]:
         return None
     return KvoConnectorStats(data=data)
@@ -225,6 +260,10 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelna
                 if metric.kind == "counter":
                     series = self._counter_cls(name=metric.prometheus_name,
                                                documentation=metric.help, labelnames=labelnames)
+                elif metric.kind == "gauge":
+                    gauge: Any = self._gauge_cls
+                    series = gauge(name=metric.prometheus_name, documentation=metric.help,
+                                   labelnames=labelnames, multiprocess_mode="mostrecent")
                 else:
                     histogram: Any = self._histogram_cls
                     series = histogram(name=metric.prometheus_name,
@@ -241,5 +280,8 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelna
                 if name in self.series:
                     for value in values:
                         self.series[name][engine_idx].observe(value)
+            for name, levels in transfer_stats_data.get("gauges", {}).items():
+                if name in self.series:
+                    self.series[name][engine_idx].set(sum(levels.values()))
 
     return KvoPromMetrics()

@@ -25,6 +25,9 @@ from kvo_vllm.dsa.offload_stats import OffloadStats
 from kvo_vllm.sparse.layout import SparseModelLayout
 
 LOG_EVERY_ENV = "KVO_OFFLOAD_LOG_EVERY"
+HISTORY_ENV = "KVO_OFFLOAD_HISTORY"
+"""How many layer calls each worker's stats keep (tests and the benchmark raise it)."""
+DEFAULT_HISTORY = 4096
 _pool_names = itertools.count()
 _workers: dict[int, OffloadWorker] = {}
 
@@ -36,8 +39,9 @@ class OffloadWorker:
         self._config_ref = weakref.ref(vllm_config)
         self.layer_names: list[str] = []
         self.manager: OffloadManager | None = None
-        self.stats = OffloadStats(log_every=int(os.environ.get(LOG_EVERY_ENV, "100")),
-                                  keep_history=True)
+        self.stats = OffloadStats(
+            log_every=_env_int(LOG_EVERY_ENV, 100),
+            history_limit=_env_int(HISTORY_ENV, DEFAULT_HISTORY))
 
     def register(self, layer: LayerInfo) -> int:
         if self.manager is not None:
@@ -76,6 +80,19 @@ class OffloadWorker:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a whole number >= 0") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r}: expected a whole number >= 0")
+    return value
 
 
 def _worker_for(vllm_config: Any) -> OffloadWorker:

@@ -28,6 +28,8 @@ resident path's. Row identity between calls: ``offload_identity.RowIdentity``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvo_core.errors import ConfigError
@@ -164,10 +166,13 @@ class OffloadManager:
                           device=self.device)
 
         selected = hits = misses = 0
+        residency_seconds = 0.0
         if bool(decode.any()):
+            started = time.perf_counter()
             hot_index, misses = self._residency(layer, topk, req, qsl, decode, decode_tok,
                                                 serials, seq_lens, query_lens, blocks)
             out[decode_tok] = hot[hot_index[decode_tok].to(self.device)]
+            residency_seconds = time.perf_counter() - started
             selected = int(valid[decode_tok].sum())
             hits = selected - misses
         direct = ~decode_tok
@@ -180,7 +185,7 @@ class OffloadManager:
             pool_rows=int((~decode).sum()),
             selected=selected, hits=hits, misses=misses, h2d_bytes=misses * self.row_bytes,
             full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
-            pool_rows_used=int(seq_lens.sum())))
+            pool_rows_used=int(seq_lens.sum()), residency_seconds=residency_seconds))
         return out, valid.to(self.device)
 
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,

@@ -5,11 +5,15 @@ A "layer call" is one attention forward of one layer (one vLLM step runs every l
 (with several query rows per request, a position two rows select counts for each row);
 ``misses`` the distinct rows copied host -> device; ``h2d_bytes`` is ``misses x row bytes`` by
 construction of the copy, which tests check against the bytes the copy op really moved.
+``residency_seconds`` is the wall time of the residency update and the miss copies.
+
+The same totals reach vLLM's ``/metrics`` through kvo's connectors (:mod:`kvo_vllm.metrics`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import attrs
 
@@ -30,6 +34,7 @@ class OffloadLayerStats:
     h2d_bytes: int
     full_reload_bytes: int  # bytes a reload of the decode rows' whole history would move
     pool_rows_used: int     # tokens the batch's requests hold in the pool (sum of seq lens)
+    residency_seconds: float = 0.0
 
 
 @attrs.define
@@ -43,6 +48,8 @@ class OffloadTotals:
     misses: int = 0
     h2d_bytes: int = 0
     full_reload_bytes: int = 0
+    residency_seconds: float = 0.0
+    pool_rows_used: int = 0     # the last step's (layer 0's), a level, not a sum
 
     def add(self, stats: OffloadLayerStats) -> None:
         self.calls += 1
@@ -51,6 +58,9 @@ class OffloadTotals:
         self.misses += stats.misses
         self.h2d_bytes += stats.h2d_bytes
         self.full_reload_bytes += stats.full_reload_bytes
+        self.residency_seconds += stats.residency_seconds
+        if stats.layer == 0:
+            self.pool_rows_used = stats.pool_rows_used
 
     @property
     def hit_rate(self) -> float:
@@ -63,15 +73,17 @@ class OffloadTotals:
 class OffloadStats:
     """Keeps the last call per layer, the totals, and logs the totals every ``log_every`` steps.
 
-    ``history`` (when ``keep_history``) lists every call, for tests and the benchmark.
+    ``history`` keeps the last ``history_limit`` calls (tests and the benchmark read them); it is
+    bounded so that a server running for weeks does not grow it without end.
     """
 
-    def __init__(self, *, log_every: int = 0, keep_history: bool = False) -> None:
+    def __init__(self, *, log_every: int = 0, history_limit: int = 0) -> None:
+        if history_limit < 0:
+            raise ValueError(f"history_limit is {history_limit}; allowed: >= 0")
         self.log_every = log_every
-        self.keep_history = keep_history
         self.totals = OffloadTotals()
         self.last: dict[int, OffloadLayerStats] = {}
-        self.history: list[OffloadLayerStats] = []
+        self.history: deque[OffloadLayerStats] = deque(maxlen=history_limit)
 
     def record(self, stats: OffloadLayerStats) -> None:
         if stats.layer == 0:
@@ -83,5 +95,5 @@ class OffloadStats:
                          t.h2d_bytes / 2**20, t.full_reload_bytes / 2**20)
         self.totals.add(stats)
         self.last[stats.layer] = stats
-        if self.keep_history:
+        if self.history.maxlen:
             self.history.append(stats)

@@ -41,6 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvo_core.config import LayerwiseOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_core.gates import SlotGates, SlotKey
+from kvo_vllm.dsa.offload_metrics import connector_stats
 from kvo_vllm.layerwise.keys import StoreKeys, namespace_for
 from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
@@ -54,10 +55,10 @@ from kvo_vllm.layerwise.store_client import (
 from kvo_vllm.layerwise.worker_side import ExtraParts, LayerwiseStats, LayerwiseWorker, LoadHook
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
+    SPARSE_OFFLOAD_METRICS,
     CounterDeltas,
     build_prom_metrics,
     build_stats,
-    make_stats,
 )
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> Any:
         if self._worker is None:
             return None
-        return make_stats(self._metric_deltas.take(self._worker.stats.metric_counters()))
+        return connector_stats(self._metric_deltas.take(self._worker.stats.metric_counters()))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -221,7 +222,8 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
         return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues, LAYERWISE_METRICS)
+                                  per_engine_labelvalues,
+                                  {**LAYERWISE_METRICS, **SPARSE_OFFLOAD_METRICS})
 
     # ==== scheduler side =================================================================
 

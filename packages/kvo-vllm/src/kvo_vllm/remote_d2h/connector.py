@@ -42,13 +42,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvo_core.errors import ConfigError
 from kvo_core.gates import SlotGates, SlotKey
+from kvo_vllm.dsa.offload_metrics import connector_stats
 from kvo_vllm.metrics import (
     REMOTE_D2H_METRICS,
+    SPARSE_OFFLOAD_METRICS,
     CounterDeltas,
     KvoConnectorStats,
     build_prom_metrics,
     build_stats,
-    make_stats,
     remote_d2h_counters,
 )
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
@@ -191,7 +192,7 @@ class RemoteD2HConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KvoConnectorStats | None:
         if self.sender is None and self.puller is None:
             return None
-        return make_stats(self._metric_deltas.take(remote_d2h_counters(self.snapshot())))
+        return connector_stats(self._metric_deltas.take(remote_d2h_counters(self.snapshot())))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
@@ -202,7 +203,8 @@ class RemoteD2HConnector(KVConnectorBase_V1):
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
         return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues, REMOTE_D2H_METRICS)
+                                  per_engine_labelvalues,
+                                  {**REMOTE_D2H_METRICS, **SPARSE_OFFLOAD_METRICS})
 
     # ==== scheduler side =================================================================
 
