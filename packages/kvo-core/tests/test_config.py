@@ -45,13 +45,18 @@ def test_valid_values_are_kept() -> None:
     assert SparseDecodeOffloadConfig(top_k=64, block_size=64, hot_capacity=64).hot_capacity == 64
     remote = RemoteD2HConfig(kv_port=65535, handshake_timeout_s=5, read_retries=0,
                              transfer_backend="memfabric",
-                             memfabric_transfer_protocol="device_urma")
+                             memfabric_transfer_protocol="device_urma",
+                             memfabric_store_url="tcp://10.0.0.7:26000", memfabric_device_id=3)
     assert remote.handshake_timeout_s == 5.0
+    assert remote.memfabric_device_id == 3 and remote.memfabric_store_server_role == "Prefill"
     assert isinstance(remote.handshake_timeout_s, float)
 
 
 # (class, keyword arguments, fragments the message must contain: field, value, what is allowed)
 INVALID: list[tuple[type[Any], dict[str, Any], tuple[str, ...]]] = [
+    (RemoteD2HConfig, {"kv_port": 1, "memfabric_store_url": "http://h:1"},
+     ("memfabric_store_url", "'http://h:1'", "tcp://host:port")),
+    (RemoteD2HConfig, {"kv_port": 1, "memfabric_nic": 3}, ("memfabric_nic", "3", "string")),
     (LayerwiseOffloadConfig, {"shared_buffers": 0}, ("shared_buffers", "got 0", ">= 1")),
     (LayerwiseOffloadConfig, {"shared_buffers": True}, ("shared_buffers", "True", ">= 1")),
     (LayerwiseOffloadConfig, {"shared_buffers": 2.0}, ("shared_buffers", "2.0", "integer")),

@@ -28,6 +28,7 @@ MIN_SEGMENT_BYTES = 16 * 1024 * 1024
 STORE_BACKENDS = ("mooncake", "memcache")
 TRANSFER_BACKENDS = ("mooncake", "memfabric")
 MEMFABRIC_PROTOCOLS = ("sdma", "device_rdma", "device_urma")
+MEMFABRIC_ROLES = ("Prefill", "Decode")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 INDEXER_KV_DTYPES = ("bfloat16", "int8")
 KERNEL_BACKENDS = ("auto", "reference", "triton", "native")
@@ -116,7 +117,31 @@ def _check_optional_non_empty_str(instance: Any, attribute: attrs.Attribute[Any]
         _check_non_empty_str(instance, attribute, value)
 
 
+def check_tcp_url(name: str, value: object) -> str:
+    """``tcp://host:port`` (port 1..65535), or ConfigError naming ``name``; returns the value.
+
+    The one owner of this rule: the MemFabric engine's options use it as well."""
+    if isinstance(value, str):
+        scheme, _, rest = value.partition("://")
+        host, _, port = rest.rpartition(":")
+        if scheme == "tcp" and host and port.isdigit() and 0 < int(port) < 65536:
+            return value
+    raise ConfigError(f"{name}={value!r} must be tcp://host:port")
+
+
+def _check_optional_tcp_url(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        check_tcp_url(attribute.name, value)
+
+
+def _check_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"{attribute.name} must be a string, got {value!r}")
+
+
 _positive_float = Described("a finite number of seconds > 0", _check_positive_float)
+_optional_tcp_url = Described("null or tcp://host:port", _check_optional_tcp_url)
+_str = Described("a string", _check_str)
 _non_negative_float = Described("a finite number of seconds >= 0", _check_non_negative_float)
 _non_empty_str = Described("a non-empty string", _check_non_empty_str)
 _optional_non_empty_str = Described("null or a non-empty string", _check_optional_non_empty_str)
@@ -318,6 +343,10 @@ class RemoteD2HConfig:
     completion (all reads acknowledged); a failed read is retried up to ``read_retries`` times,
     ``retry_backoff_s`` apart. ``memfabric_transfer_protocol`` only matters for the memfabric
     backend and must be equal on prefill and decode; ``mooncake_protocol`` likewise for mooncake.
+    The memfabric backend also needs ``memfabric_store_url`` (its config store, created by the
+    instance whose role is ``memfabric_store_server_role``; prefill is "Prefill", decode
+    "Decode"), ``memfabric_device_id`` (the NPU; default: the worker's TP rank) and
+    ``memfabric_nic`` ("" lets MemFabric choose); these keys are refused with another backend.
     ``control_secret`` authenticates every control frame (HMAC-SHA256, kvo_transport.frame_auth);
     when absent, the ``KVO_CONTROL_SECRET`` environment variable is used; with neither, the
     control socket is refused on a non-loopback ``local_hostname``. It is kept out of ``repr``.
@@ -334,10 +363,31 @@ class RemoteD2HConfig:
     transfer_backend: str = attrs.field(default="mooncake", validator=_one_of(TRANSFER_BACKENDS))
     memfabric_transfer_protocol: str = attrs.field(default="sdma",
                                                    validator=_one_of(MEMFABRIC_PROTOCOLS))
+    memfabric_store_url: str | None = attrs.field(default=None, validator=_optional_tcp_url)
+    memfabric_store_server_role: str = attrs.field(default="Prefill",
+                                                   validator=_one_of(MEMFABRIC_ROLES))
+    memfabric_device_id: int | None = attrs.field(default=None, validator=_optional_int_in(0))
+    memfabric_nic: str = attrs.field(default="", validator=_str)
     mooncake_protocol: str = attrs.field(default="tcp", validator=_one_of(MOONCAKE_PROTOCOLS))
     local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     control_secret: str | None = attrs.field(default=None, repr=False,
                                              validator=_optional_secret)
+
+    def __attrs_post_init__(self) -> None:
+        if self.transfer_backend == "memfabric":
+            if self.memfabric_store_url is None:
+                raise ConfigError(
+                    "transfer_backend 'memfabric' needs memfabric_store_url (tcp://host:port of "
+                    "the MemFabric config store, created by the memfabric_store_server_role "
+                    "instance)")
+            return
+        given = [name for name, default in (("memfabric_store_url", None),
+                                            ("memfabric_device_id", None),
+                                            ("memfabric_nic", ""))
+                 if getattr(self, name) != default]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set, but transfer_backend is "
+                              f"{self.transfer_backend!r}; these keys are for 'memfabric'")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *,

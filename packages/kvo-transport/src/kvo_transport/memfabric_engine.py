@@ -25,7 +25,7 @@ from kvo_transport.library_engine import LibraryTransferEngine
 MEMFABRIC_PROTOCOLS = {name: name.upper() for name in config.MEMFABRIC_PROTOCOLS}
 """kvo's protocol name -> MemFabric's TransDataOpType member (the names: kvo-core's config)."""
 DEFAULT_PROTOCOL = "sdma"
-MEMFABRIC_ROLES = ("Prefill", "Decode")
+MEMFABRIC_ROLES = config.MEMFABRIC_ROLES
 
 
 def normalize_protocol(protocol: object) -> str:
@@ -85,12 +85,7 @@ class MemFabricOptions:
         values = dict(options)
         values["protocol"] = normalize_protocol(values.get("protocol"))
         made = cls(**values)
-        scheme, _, rest = made.store_url.partition("://")
-        host, _, port = rest.rpartition(":")
-        if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"memfabric engine option store_url={made.store_url!r} must be tcp://host:port"
-            )
+        config.check_tcp_url("memfabric engine option store_url", made.store_url)
         for name in ("role", "store_server_role"):
             if getattr(made, name) not in MEMFABRIC_ROLES:
                 raise ConfigError(

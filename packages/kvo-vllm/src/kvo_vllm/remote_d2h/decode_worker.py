@@ -116,7 +116,7 @@ class DecodePuller:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers, block_bytes = describe_kv_caches(kv_caches)
         config = self.config
-        raw = transfer_engine_for(config, layers)
+        raw = transfer_engine_for(config, layers, role="Decode", tp_rank=self.tp_rank)
         regions = []
         dest_layers = []
         for name, index, tensor in layers:

@@ -54,11 +54,18 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[KVLa
     return layers, sizes.pop()
 
 
-def transfer_engine_for(config: RemoteD2HConfig, layers: Sequence[KVLayer]) -> TransferEngine:
+def transfer_engine_for(config: RemoteD2HConfig, layers: Sequence[KVLayer], *, role: str,
+                        tp_rank: int) -> TransferEngine:
     """The configured backend; with Mooncake, direct copies (process_vm_readv) to a peer on
-    this host when the KV lives in host memory, Mooncake otherwise."""
+    this host when the KV lives in host memory, Mooncake otherwise. ``role`` ("Prefill" or
+    "Decode") and ``tp_rank`` (the default NPU) are MemFabric's."""
     if config.transfer_backend == "mooncake":
         on_host = all(tensor.device.type == "cpu" for _, _, tensor in layers)
         return create_transfer_engine("mooncake", hostname=config.local_hostname,
                                       protocol=config.mooncake_protocol, same_host=on_host)
-    return create_transfer_engine("memfabric", protocol=config.memfabric_transfer_protocol)
+    return create_transfer_engine(
+        "memfabric", protocol=config.memfabric_transfer_protocol,
+        store_url=config.memfabric_store_url, role=role,
+        device_id=tp_rank if config.memfabric_device_id is None else config.memfabric_device_id,
+        hostname=config.local_hostname, store_server_role=config.memfabric_store_server_role,
+        nic=config.memfabric_nic)

@@ -108,7 +108,7 @@ class PrefillSender:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
                            slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
         layers, block_bytes = describe_kv_caches(kv_caches)
-        engine = transfer_engine_for(self.config, layers)
+        engine = transfer_engine_for(self.config, layers, role="Prefill", tp_rank=self.tp_rank)
         metas = []
         spans = []
         for name, index, tensor in layers:
