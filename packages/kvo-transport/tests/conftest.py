@@ -64,12 +64,13 @@ def kvo_shm_segments() -> set[str]:
 
 
 def _owned_by_another_live_process(name: str) -> bool:
-    """A same-host registry (``kvo-samehost-<pid>-...``) of a live process other than this one
-    belongs to a concurrent run (another test session on this machine), not to a leak here."""
-    parts = name.split("-")
-    if len(parts) < 3 or parts[1] != "samehost" or not parts[2].isdigit():
+    """A segment whose name carries the pid of a live process other than this one (a same-host
+    registry ``kvo-samehost-<pid>-...``, a DSA pool ``kvo-hostpool-dsa-<pid>-<n>``) belongs to
+    a concurrent run (another test session on this machine), not to a leak here."""
+    digits = [part for part in name.split("-")[2:] if part.isdigit()]
+    if not digits:
         return False
-    pid = int(parts[2])
+    pid = int(digits[0])
     if pid == os.getpid():
         return False
     try:

@@ -18,7 +18,13 @@ from _backend_workers import (
 )
 
 from kvo_transport.errors import HostPoolError, TransferArgumentError
-from kvo_transport.host_pool import PAGE_SIZE, HostPool, leaked_segments, shm_path
+from kvo_transport.host_pool import (
+    PAGE_SIZE,
+    HostPool,
+    leaked_segments,
+    reclaim_orphaned_pools,
+    shm_path,
+)
 from kvo_transport.regions import RegionRegistry
 
 
@@ -214,3 +220,29 @@ def test_leaked_segments_lists_only_kvo_pools() -> None:
     with HostPool.create(unique("list"), PAGE_SIZE) as pool:
         assert pool.path.name in leaked_segments()
     assert pool.path.name not in leaked_segments()
+
+
+def test_orphans_of_other_names_are_swept_only_when_nobody_holds_them(caplog) -> None:
+    """A per-process pool name (the DSA backend's) is never created again: the sweep is what
+    frees a killed server's segment. Held and freshly created segments are left alone."""
+    conn, killed = spawn(hold_pool, unique("orphan"), True)
+    assert conn.poll(120)
+    orphan = Path(conn.recv())
+    killed.kill()
+    killed.join(30)
+    held = shm_path(unique("held"))
+    held_conn, holder = spawn(hold_pool, unique("held"), True)
+    try:
+        assert held_conn.poll(120)
+        assert Path(held_conn.recv()) == held
+        assert orphan.name not in reclaim_orphaned_pools()     # too young for the default
+        assert orphan.exists()
+        with caplog.at_level("WARNING", logger="kvo.transport.host_pool"):
+            removed = reclaim_orphaned_pools(min_age_s=0)
+        assert orphan.name in removed and not orphan.exists()
+        assert held.name not in removed and held.exists()      # its creator still runs
+        assert f"removed {orphan}" in caplog.text
+    finally:
+        holder.kill()
+        holder.join(30)
+        held.unlink(missing_ok=True)

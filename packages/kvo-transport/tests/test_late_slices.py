@@ -98,4 +98,7 @@ def hand_back_when_reported(decode: DecodeProcess, request_id: str) -> float:
 def test_late_slices_never_land_in_memory_handed_back(engine: TransferEngine) -> None:
     results = run_rounds(engine, quarantine_s=2.0)
     assert all(overwritten == 0 for _, overwritten in results), results
-    assert all(waited >= 1.9 for waited, _ in results), results  # held for the quarantine
+    # Held for the quarantine: without it the hand-back follows the failure within
+    # milliseconds. Decode starts the quarantine when its read fails, before the prefill's gate
+    # hears of it (up to 0.3 s later on a loaded machine), hence half the quarantine as bound.
+    assert all(waited >= 1.0 for waited, _ in results), results

@@ -6,7 +6,11 @@ The segment lives in /dev/shm as ``kvo-hostpool-<name>``. The creator unlinks it
 the pool object is collected, and at process exit; attachers only unmap. A creator killed
 outright (SIGKILL, OOM) cannot unlink: every user holds a shared flock on the segment, which the
 kernel drops when the process dies, so the next ``create`` of that name removes a segment nobody
-locks, and refuses, naming the holders, one that is still in use.
+locks, and refuses, naming the holders, one that is still in use. Pools named per process (the
+DSA offload backend's) are never created again under the same name, so every ``create`` also
+sweeps segments of any name that nobody locks and that are older than ``ORPHAN_MIN_AGE_S``
+(a vLLM server stopped by a signal exits without running finalizers: tens of MiB per restart
+would otherwise stay in /dev/shm until reboot).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import mmap
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +37,39 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "kvo-hostpool-"
 PAGE_SIZE = mmap.PAGESIZE
 log = logging.getLogger("kvo.transport.host_pool")
+ORPHAN_MIN_AGE_S = 60.0
+"""A segment younger than this is never swept: its creator may not hold its lock yet."""
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+
+
+def reclaim_orphaned_pools(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
+    """Remove kvo host-pool segments that no process holds and that are older than
+    ``min_age_s`` (their creators died without closing them); returns their file names."""
+    if not SHM_DIR.is_dir():
+        return []
+    removed = []
+    now = time.time()
+    for path in sorted(SHM_DIR.glob(f"{SHM_PREFIX}*")):
+        try:
+            stat = path.stat()
+            if now - max(stat.st_mtime, stat.st_ctime) < min_age_s:
+                continue
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # in use
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+        log.warning("host pool sweep: removed %s (%d bytes), left behind by a process that "
+                    "ended without closing it (no process holds it)", path, stat.st_size)
+        removed.append(path.name)
+    return removed
 
 
 class _Registrar(Protocol):
@@ -138,6 +175,7 @@ class HostPool:
         size = round_to_pages(nbytes)
         if not SHM_DIR.is_dir():
             raise HostPoolError(f"host pools need POSIX shared memory at {SHM_DIR}; it is missing")
+        reclaim_orphaned_pools()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
