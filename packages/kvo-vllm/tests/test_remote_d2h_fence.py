@@ -240,3 +240,28 @@ def test_revoking_a_stalled_pull_never_blocks_and_returns_blocks_after_the_read(
     finally:
         prefill.close()
         puller.close()
+
+
+def test_an_abort_crossing_the_report_is_not_answered_twice(
+        prefill_engine: TransferEngine) -> None:
+    """vLLM aborted the request before it processed the output that reported its pull (async
+    scheduling): the revoke finds nothing to stop and must not report the request again (vLLM's
+    scheduler asserts on a report for a request it already freed). A revoke of a request the
+    worker never saw is still answered once."""
+    prefill = Prefill(prefill_engine, deadline_s=10.0)
+    puller, _ = make_puller(0.0)
+    try:
+        register(puller, "t4")
+        prefill.fill(occupant=1)
+        prefill.publish(puller.endpoint, "t4")
+        collect_until(puller, "req-t4")
+        puller.start_step(RemoteD2HMetadata(revoked_recvs=("req-t4", "req-never-seen")))
+        reports: list[str] = []
+        for _ in range(5):
+            done, _ = puller.collect()
+            reports += sorted(done)
+            time.sleep(0.02)
+        assert reports == ["req-never-seen"]
+    finally:
+        prefill.close()
+        puller.close()

@@ -69,6 +69,18 @@ def test_decode_abort_while_pulling_is_revoked_and_delays_the_free() -> None:
     assert _step(scheduler, {}).revoked_recvs == ("a",)
 
 
+def test_a_report_crossing_an_abort_cancels_the_queued_revoke() -> None:
+    """vLLM aborted the request before it processed the output reporting its pull: that report
+    frees it, so no revoke may follow (the worker's answer would name a request vLLM forgot)."""
+    scheduler = _scheduler({"a": [1, 2]})
+    request = FakeRequest("a", 9, DecodePullParams(transfer_id="t-a").to_params())
+    scheduler.update_state_after_alloc(request, 8)
+    _step(scheduler, {})
+    assert scheduler.request_finished(FakeRequest("a", 9, {})) == (True, None)
+    scheduler.on_connector_output({"a"})
+    assert _step(scheduler, {}).revoked_recvs == ()
+
+
 def test_bad_params_fall_back_to_local_compute() -> None:
     request = FakeRequest("r", 40, {"do_remote_prefill": True, "kvo_transfer_id": "no spaces!"})
     assert _scheduler({}).num_new_matched_tokens(request, 0) == (0, False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import attrs
@@ -45,6 +46,9 @@ from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
 
 logger = logging.getLogger(__name__)
+
+REPORTED_MEMORY = 65536
+"""How many reported request ids the worker remembers (an abort that crossed the report)."""
 
 
 @attrs.define
@@ -91,6 +95,7 @@ class DecodePuller:
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}  # transfer id -> state
         self._finished: set[str] = set()  # vLLM request ids to report received
+        self._reported: OrderedDict[str, None] = OrderedDict()  # reported before, oldest first
         self._invalid: set[int] = set()
         self._returning: list[_Returning] = []
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
@@ -198,6 +203,10 @@ class DecodePuller:
         with self._lock:
             done, self._finished = self._finished, set()
             invalid, self._invalid = self._invalid, set()
+            for request_id in done:
+                self._reported[request_id] = None
+            while len(self._reported) > REPORTED_MEMORY:
+                self._reported.popitem(last=False)
         return done, invalid
 
     def _complete(self, transfer_id: str, failure: str | None) -> None:
@@ -276,9 +285,15 @@ class DecodePuller:
             for transfer_id, _ in found:
                 del self._recvs[transfer_id]
             if not found:
-                # Already reported, or never registered: vLLM still waits for one answer,
-                # unless the request is already on its way back (reported once settled).
-                if all(item.target.request_id != request_id for item in self._returning):
+                # Never registered: vLLM still waits for one answer, unless the request is
+                # already on its way back (reported once settled). Already reported: vLLM has
+                # that answer in an output it had not processed when it aborted the request,
+                # and frees the request when it does; a second answer for a request vLLM no
+                # longer knows would fail its scheduler's ``assert req_id in self.requests``.
+                if request_id in self._reported:
+                    logger.debug("kvo remote_d2h: abort of %s after its pull was reported: "
+                                 "nothing to stop", request_id)
+                elif all(item.target.request_id != request_id for item in self._returning):
                     self._finished.add(request_id)
                 return
         for transfer_id, recv in found:

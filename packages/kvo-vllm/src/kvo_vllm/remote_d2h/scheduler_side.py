@@ -107,8 +107,13 @@ class RemoteD2HScheduler:
         self._pending_recvs[request.request_id] = params.transfer_id
 
     def on_connector_output(self, finished_recving: set[str] | None) -> None:
-        for request_id in finished_recving or ():
+        """The worker reported these pulls over: nothing left to revoke (a revoke still queued
+        would make the worker answer a request vLLM frees on this very report)."""
+        done = set(finished_recving or ())
+        for request_id in done:
             self._pending_recvs.pop(request_id, None)
+        if done:
+            self._revoked = [r for r in self._revoked if r not in done]
 
     # -- per-step plan ------------------------------------------------------------------
 
