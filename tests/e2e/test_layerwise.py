@@ -20,6 +20,7 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,6 +289,28 @@ def test_failed_load_fails_the_request_never_answers_wrong(kvo: KvoEngine,
     assert _generate(kvo.llm) == reference.prefix_hit  # nothing bad was left in the store
 
 
+def test_a_late_removal_of_a_poisoned_block_never_fails_a_later_request(
+        kvo: KvoEngine, reference: Reference) -> None:
+    """Issue 13 §6: a store failure poisons the blocks the failed requests computed; their
+    removal from the store runs in the background, and on a loaded machine (or behind a read
+    lease) it can come after the next generation computed and saved the same blocks again.
+    It must not delete those: the next decode step reloads them, and a missing block fails
+    a request that did nothing wrong (seen: 4 of 6 tokens, then the end)."""
+    worker = _worker_connector().worker
+    assert kvo.llm.reset_prefix_cache()
+    with HeldRemovals(worker) as held:
+        with FailingGets(1):
+            failed = _generate(kvo.llm)
+        assert any(not tokens for tokens, _ in failed)
+        assert kvo.llm.reset_prefix_cache()
+        held.watch_resaves = True
+        answers = _generate(kvo.llm)
+    assert held.resaved_poisoned  # the follow-up saved poisoned blocks again...
+    assert answers == reference.prefix_hit  # ...and every request got all its tokens
+    assert kvo.llm.reset_prefix_cache()
+    assert _generate(kvo.llm) == reference.prefix_hit  # and the store kept them
+
+
 def test_failed_load_is_recomputed_to_the_same_answer(engine_env: None, tiny_model: Path,
                                                       master: Any, kvo: KvoEngine,
                                                       reference: Reference) -> None:
@@ -333,3 +356,45 @@ def test_refuses_to_run_without_eager_mode(tiny_model: Path, master: Any) -> Non
                         distributed_executor_backend="uni").create_engine_config()
     with pytest.raises(EagerModeRequiredError, match=r"requires eager mode.*enforce_eager=True"):
         LayerwiseStoreConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+class HeldRemovals:
+    """Holds each store removal until the next put has completed (at most ``HOLD_S``), as a
+    loaded machine or a read lease delays it: a removal asked for before a save of the same
+    key then reaches the store after that save, unless the connector keeps them in order."""
+
+    HOLD_S = 2.0
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.store = worker.store
+        self._remove, self._put = self.store.remove, self.store.put_from
+        self._puts = 0
+        self._put_done = threading.Condition()
+        self.watch_resaves = False
+        self.resaved_poisoned: set[str] = set()
+        """Keys saved while poisoned, once ``watch_resaves`` is set."""
+
+    def __enter__(self) -> HeldRemovals:
+        def remove(keys: list[str]) -> None:
+            with self._put_done:
+                seen = self._puts
+                self._put_done.wait_for(lambda: self._puts > seen, timeout=self.HOLD_S)
+            self._remove(keys)
+
+        def put_from(keys: list[str], *args: Any) -> None:
+            if self.watch_resaves:
+                self.resaved_poisoned |= self.worker.poisoned.poisoned_among(keys)
+            try:
+                self._put(keys, *args)
+            finally:
+                with self._put_done:
+                    self._puts += 1
+                    self._put_done.notify_all()
+
+        self.store.remove, self.store.put_from = remove, put_from
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.remove, self.store.put_from = self._remove, self._put
+        self.worker.poisoned.settle()

@@ -196,7 +196,7 @@ def test_request_blocks_are_removed_when_the_request_finishes(rig) -> None:
     worker, store, caches = rig
     forward(worker, caches, step_meta(save=[(1, "q/E/r/0"), (2, "h/ab")]), {1: 1.0, 2: 2.0})
     worker.forget_requests({"r"})
-    worker._cleaner.submit(lambda: None).result()
+    worker.poisoned.settle()
     assert {k for k in store.values} == {KEYS.key("h/ab", i) for i in range(6)}
 
 
@@ -227,7 +227,7 @@ def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> 
     assert worker.take_load_errors() == {1}
     # ... and nothing r computed from layer 3 on (nor the stale block) reaches the store;
     # b2's older value from the previous step is removed too, never loaded as current.
-    worker._cleaner.submit(lambda: None).result()
+    worker.poisoned.settle()
     for name in ("h/late", "b2"):
         assert {i for i in range(6) if KEYS.key(name, i) in store.values} == {0, 1, 2}, name
     assert {i for i in range(6) if KEYS.key("c3", i) in store.values} == set(range(6))

@@ -22,7 +22,9 @@ as ``kv_load_failure_policy`` says. The step's forward still runs over the faile
 (for a shared layer it holds another layer's KV), so from that layer on the affected requests'
 KV is wrong: their saves for those layers are dropped and the keys poisoned (removed, never
 loaded), so neither another request nor a later step loads wrong or outdated KV from the store.
-A failed save poisons its keys the same way.
+A failed save poisons its keys the same way. A poisoned key's removal runs in the background
+but never lands after a later save of the same key (``poisoned_keys``): it would delete the
+fresh value and fail the next request that loads it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvo_core.gates import SlotGates, SlotKey
 from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
 from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
+from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +164,9 @@ class LayerwiseWorker:
         self._registered: list[int] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
-        # Removals may wait out a store read lease; they must never hold up a save.
-        self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-clean")
-        self._poisoned: set[str] = set()
-        self._poison_lock = threading.Lock()
+        # Removals run in the background (they may wait out a store read lease) but never
+        # land after a later save of the same key (poisoned_keys.py).
+        self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys))
         self._request_blocks: dict[str, set[str]] = {}
         self._load_errors: set[int] = set()
         self._step_failed: set[int] = set()
@@ -281,14 +283,13 @@ class LayerwiseWorker:
             names |= self._request_blocks.pop(request_id, set())
         if names:
             refs = [BlockRef(block_id=0, name=name) for name in sorted(names)]
-            keys = [key for buffer in self._buffers.values()
-                    for key in buffer.keys(self.keys, refs)]
-            self._cleaner.submit(self._remove_quietly, keys)
+            self.poisoned.remove_later(key for buffer in self._buffers.values()
+                                       for key in buffer.keys(self.keys, refs))
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True, cancel_futures=True)
-        self._cleaner.shutdown(wait=True, cancel_futures=True)
+        self.poisoned.close()
         for pointer in self._registered:
             try:
                 self.store.unregister(pointer)
@@ -379,14 +380,14 @@ class LayerwiseWorker:
         # measured with Mooncake) and copied to its other blocks on the device.
         first_of: dict[str, int] = {}
         copies: list[tuple[int, int]] = []
-        with self._poison_lock:
-            for i, key in enumerate(keys):
-                if key in self._poisoned:
-                    continue
-                if key in first_of:
-                    copies.append((i, first_of[key]))
-                else:
-                    first_of[key] = i
+        poisoned = self.poisoned.poisoned_among(keys)
+        for i, key in enumerate(keys):
+            if key in poisoned:
+                continue
+            if key in first_of:
+                copies.append((i, first_of[key]))
+            else:
+                first_of[key] = i
         chosen = list(first_of.values())
         found = [False] * len(keys)
         count = len(refs)
@@ -457,21 +458,25 @@ class LayerwiseWorker:
         started = time.perf_counter()
         keys, addrs, sizes = buffer.transfers(self.keys, refs)
         try:
+            ticket = self.poisoned.begin_save(keys, self.layer_deadline_s)
+        except RemovalStillRunningError as error:
+            self._fail_save(buffer, part, keys, len(refs), error)
+            return
+        stored = False
+        try:
             if keys:
                 self.store.put_from(keys, addrs, sizes)
+            # False: the slot was given up on (deadline) and may have been overwritten
+            # mid-save.
+            stored = self.gates.mark_done(buffer.slot, part)
         except Exception as error:
-            logger.error("kvo layerwise: saving layer %s failed: %s", buffer.layer.name, error)
-            self._poison(keys)
-            with self._stats_lock:
-                self.stats.failed_saves += len(refs)
-            self.gates.mark_failed(buffer.slot, part, error)
+            self._fail_save(buffer, part, keys, len(refs), error)
             return
-        if not self.gates.mark_done(buffer.slot, part):
-            # The slot was given up on (deadline) and may have been overwritten mid-save.
+        finally:
+            self.poisoned.end_save(ticket, stored=stored)
+        if not stored:
             self._poison(keys)
             return
-        with self._poison_lock:
-            self._poisoned.difference_update(keys)
         with self._stats_lock:
             self.stats.saved_blocks += len(refs)
             self.stats.saved_bytes += sum(sizes)
@@ -481,15 +486,15 @@ class LayerwiseWorker:
                                                + len(refs) * cache.planned.block_bytes)
             self.stats.save_seconds += time.perf_counter() - started
 
+    def _fail_save(self, buffer: _Buffer, part: str, keys: list[str], blocks: int,
+                   error: Exception) -> None:
+        logger.error("kvo layerwise: saving layer %s failed: %s", buffer.layer.name, error)
+        self._poison(keys)
+        with self._stats_lock:
+            self.stats.failed_saves += blocks
+        self.gates.mark_failed(buffer.slot, part, error)
+
     def _poison(self, keys: list[str]) -> None:
-        with self._poison_lock:
-            self._poisoned.update(keys)
+        self.poisoned.poison(keys)
         with self._stats_lock:
             self.stats.poisoned_keys += len(keys)
-        self._cleaner.submit(self._remove_quietly, keys)
-
-    def _remove_quietly(self, keys: list[str]) -> None:
-        try:
-            self.store.remove(keys)
-        except Exception as error:  # best effort: poisoned keys are never loaded anyway
-            logger.debug("kvo layerwise: removing %d keys failed: %s", len(keys), error)

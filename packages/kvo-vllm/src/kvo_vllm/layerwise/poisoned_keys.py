@@ -1,0 +1,147 @@
+"""Poisoned store keys, and background removals that never delete a newer save.
+
+A key is poisoned when the value under it may be wrong (a dropped or failed save): this worker
+stops loading it at once, and the key is removed from the store in the background so that no
+prefix lookup (``exists``) or other engine finds it. A removal can take a while (Mooncake's
+waits out a read lease, seconds), and a later step may save the same key again meanwhile: the
+block is computed afresh, e.g. by the next request with the same prefix. Were the removal to
+land after that save, it would delete the new, right value while the key no longer counts as
+poisoned; the next step's load of it fails and vLLM fails (or recomputes) a request that did
+nothing wrong (issue 13 §6: a request ending after 4 of 6 tokens, no cause of its own).
+
+So store mutations of one key are ordered as they were asked for: a save cancels the key's
+removal if it has not started, and waits for it if it is running; a removal asked for while a
+save of the key runs starts after that save. A save un-poisons only keys nobody poisoned while
+it ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+
+from kvo_core.errors import KvoError
+
+logger = logging.getLogger(__name__)
+
+
+class RemovalStillRunningError(KvoError, RuntimeError):
+    """A save waited too long for a running removal of one of its keys."""
+
+
+@attrs.frozen
+class SaveTicket:
+    """What ``begin_save`` saw: each key's poisoning, to tell whether it changed meanwhile."""
+
+    keys: frozenset[str]
+    serials: dict[str, int]
+
+
+class PoisonedKeys:
+    """One worker's poisoned keys and removals, ordered against its saves (module docstring)."""
+
+    def __init__(self, remove: Callable[[list[str]], None], *,
+                 thread_name: str = "kvo-lw-clean") -> None:
+        self._remove = remove
+        self._cond = threading.Condition()
+        self._poisoned: dict[str, int] = {}
+        """Poisoned key -> serial of its latest poisoning."""
+        self._serials = itertools.count(1)
+        self._pending: dict[str, None] = {}
+        """Keys to remove, in the order asked (a dict as an ordered set)."""
+        self._running: set[str] = set()
+        self._saving: dict[str, int] = {}
+        """Key -> saves of it under way."""
+        self.cancelled_removals = 0
+        """Removals a later save made moot before they started."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+
+    # -- asked by the worker ------------------------------------------------------------
+
+    def poison(self, keys: Iterable[str]) -> None:
+        """Never load ``keys`` again until a save of them succeeds; remove them meanwhile."""
+        keys = list(keys)
+        with self._cond:
+            for key in keys:
+                self._poisoned[key] = next(self._serials)
+        self.remove_later(keys)
+
+    def remove_later(self, keys: Iterable[str]) -> None:
+        """Remove ``keys`` from the store in the background (after any save of them now
+        under way)."""
+        with self._cond:
+            added = False
+            for key in keys:
+                self._pending[key] = None
+                added = True
+        if added:
+            self._executor.submit(self._drain)
+
+    def poisoned_among(self, keys: Iterable[str]) -> set[str]:
+        with self._cond:
+            return {key for key in keys if key in self._poisoned}
+
+    def begin_save(self, keys: Sequence[str], timeout_s: float) -> SaveTicket:
+        """Before putting ``keys``: cancel their removals not yet started, wait for running
+        ones (at most ``timeout_s``, else ``RemovalStillRunningError``; nothing taken)."""
+        wanted = set(keys)
+        with self._cond:
+            for key in wanted.intersection(self._pending):
+                del self._pending[key]
+                self.cancelled_removals += 1
+            if not self._cond.wait_for(lambda: self._running.isdisjoint(wanted), timeout_s):
+                raise RemovalStillRunningError(
+                    f"kvo layerwise: a removal of {sorted(wanted & self._running)[:2]} (of "
+                    f"{len(wanted & self._running)} keys) still runs after {timeout_s:g} s; the "
+                    f"save of these keys is given up (they stay poisoned)")
+            for key in wanted:
+                self._saving[key] = self._saving.get(key, 0) + 1
+            serials = {key: self._poisoned.get(key, 0) for key in wanted}
+        return SaveTicket(keys=frozenset(wanted), serials=serials)
+
+    def end_save(self, ticket: SaveTicket, *, stored: bool) -> None:
+        """After the put: ``stored`` un-poisons keys not poisoned again while it ran."""
+        with self._cond:
+            for key in ticket.keys:
+                left = self._saving[key] - 1
+                if left:
+                    self._saving[key] = left
+                else:
+                    del self._saving[key]
+                if stored and self._poisoned.get(key, 0) == ticket.serials[key]:
+                    self._poisoned.pop(key, None)
+            waiting = any(key in self._pending for key in ticket.keys)
+        if waiting:
+            self._executor.submit(self._drain)
+
+    def settle(self) -> None:
+        """Wait until every removal asked for so far has run (except those waiting for a save
+        under way): the store holds no key poisoned before this call."""
+        self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- the removal thread -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        with self._cond:
+            batch = [key for key in self._pending if key not in self._saving]
+            for key in batch:
+                del self._pending[key]
+            self._running.update(batch)
+        if not batch:
+            return
+        try:
+            self._remove(batch)
+        except Exception as error:  # best effort: poisoned keys are never loaded anyway
+            logger.debug("kvo layerwise: removing %d keys failed: %s", len(batch), error)
+        finally:
+            with self._cond:
+                self._running.difference_update(batch)
+                self._cond.notify_all()
