@@ -311,6 +311,29 @@ def test_a_late_removal_of_a_poisoned_block_never_fails_a_later_request(
     assert _generate(kvo.llm) == reference.prefix_hit  # and the store kept them
 
 
+def test_a_poisoned_block_is_gone_from_the_store_before_the_next_lookup(
+        kvo: KvoEngine) -> None:
+    """The other way a failure could reach a later request: the failed requests' blocks are
+    poisoned (this worker never loads them), but while their removal is still under way the
+    scheduler's store lookup finds them and promises them to the next request with the same
+    prefix, whose load then fails. A step that poisoned keys ends only once they are removed."""
+    longer = PROMPTS[1] + "It goes on for another sentence or two."
+    worker = _worker_connector().worker
+    assert kvo.llm.reset_prefix_cache()
+    with HeldRemovals(worker):
+        with FailingGets(1):
+            failed = _generate(kvo.llm)
+        assert any(not tokens for tokens, _ in failed)
+        poisoned = worker.stats.poisoned_keys
+        # No reset: vLLM evicted the failed blocks; the rest of the prefix is cached locally.
+        (tokens, _), = _generate(kvo.llm, [longer])
+    assert worker.stats.poisoned_keys == poisoned  # nothing failed this time
+    assert len(tokens) == MAX_TOKENS
+    assert kvo.llm.reset_prefix_cache()
+    (again, _), = _generate(kvo.llm, [longer])
+    assert again == tokens
+
+
 def test_failed_load_is_recomputed_to_the_same_answer(engine_env: None, tiny_model: Path,
                                                       master: Any, kvo: KvoEngine,
                                                       reference: Reference) -> None:
@@ -363,7 +386,7 @@ class HeldRemovals:
     loaded machine or a read lease delays it: a removal asked for before a save of the same
     key then reaches the store after that save, unless the connector keeps them in order."""
 
-    HOLD_S = 2.0
+    HOLD_S = 1.0
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker

@@ -46,6 +46,7 @@ class MemoryStore:
         self.put_delay = 0.0
         self.fail_puts_for: set[str] = set()
         self.fail_gets: dict[str, int] = {}  # key -> how many more gets of it raise
+        self.remove_delay = 0.0
         self.lock = threading.Lock()
 
     def register(self, ptr: int, length: int) -> None:
@@ -84,6 +85,7 @@ class MemoryStore:
         return [k in self.values for k in keys]
 
     def remove(self, keys) -> None:
+        time.sleep(self.remove_delay)
         with self.lock:
             for key in keys:
                 self.values.pop(key, None)
@@ -238,6 +240,19 @@ def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> 
     forward(worker, caches, step_meta(save=[(1, "h/late"), (2, "b2")]), {1: 1.0, 2: 2.0})
     assert worker.take_load_errors() == set()
     assert all(KEYS.key("b2", i) in store.values for i in range(6))
+
+
+def test_a_step_that_poisons_keys_ends_only_once_they_are_removed(rig) -> None:
+    """Else the scheduler's next prefix lookup could still find them and promise them to
+    another request, whose load of them would then fail."""
+    worker, store, caches = rig
+    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}
+    store.remove_delay = 0.5  # e.g. waiting out a read lease
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 200.0})
+    assert worker.take_load_errors() == {1}
+    # No settle() here: the step's end waited for the removal.
+    assert {i for i in range(6) if KEYS.key("b2", i) in store.values} == {0, 1, 2}
 
 
 def test_requests_that_lost_a_load_are_named_from_that_layer_on(rig) -> None:

@@ -119,10 +119,14 @@ class PoisonedKeys:
         if waiting:
             self._executor.submit(self._drain)
 
-    def settle(self) -> None:
+    def settle(self, timeout_s: float | None = None) -> bool:
         """Wait until every removal asked for so far has run (except those waiting for a save
-        under way): the store holds no key poisoned before this call."""
-        self._executor.submit(lambda: None).result()
+        under way); False if that took longer than ``timeout_s``."""
+        try:
+            self._executor.submit(lambda: None).result(timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -22,9 +22,11 @@ as ``kv_load_failure_policy`` says. The step's forward still runs over the faile
 (for a shared layer it holds another layer's KV), so from that layer on the affected requests'
 KV is wrong: their saves for those layers are dropped and the keys poisoned (removed, never
 loaded), so neither another request nor a later step loads wrong or outdated KV from the store.
-A failed save poisons its keys the same way. A poisoned key's removal runs in the background
-but never lands after a later save of the same key (``poisoned_keys``): it would delete the
-fresh value and fail the next request that loads it.
+A failed save poisons its keys the same way. A step that poisoned keys ends (``finish_step``)
+only once they are gone from the store (at most ``layer_deadline_s``): the scheduler's next
+prefix lookup must not promise them to another request, whose load would fail. A removal that
+takes longer still never lands after a later save of the same key (``poisoned_keys``): it
+would delete the fresh value and fail the next request that loads it.
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ class LayerwiseWorker:
         self._request_blocks: dict[str, set[str]] = {}
         self._load_errors: set[int] = set()
         self._step_failed: set[int] = set()
+        self._step_poisoned = False
         self._step = 0
         self._meta: LayerwiseMetadata | None = None
         self._loads: dict[bool, list[BlockRef]] = {}
@@ -212,6 +215,7 @@ class LayerwiseWorker:
         self._pending_loads = {}
         self._save_futures = []
         self._step_failed = set()
+        self._step_poisoned = False
         if not meta.has_work:
             return
         with self._stats_lock:
@@ -261,6 +265,19 @@ class LayerwiseWorker:
                 self.stats.step_end_wait_seconds += time.perf_counter() - started
         self._save_futures = []
         self._meta = None
+        if self._step_poisoned:
+            self._step_poisoned = False
+            self._remove_poisoned_now()
+
+    def _remove_poisoned_now(self) -> None:
+        """Wait for the removal of the keys this step poisoned (module docstring)."""
+        started = time.perf_counter()
+        if not self.poisoned.settle(self.layer_deadline_s):
+            logger.warning("kvo layerwise: removing poisoned keys from the store takes longer "
+                           "than %g s; until it ends a prefix lookup may still find them",
+                           self.layer_deadline_s)
+        with self._stats_lock:
+            self.stats.step_end_wait_seconds += time.perf_counter() - started
 
     def requests_with_failed_loads(self) -> set[str]:
         """Requests of this step that lost a load so far: from that layer on their KV is wrong
@@ -495,6 +512,7 @@ class LayerwiseWorker:
         self.gates.mark_failed(buffer.slot, part, error)
 
     def _poison(self, keys: list[str]) -> None:
+        self._step_poisoned = True
         self.poisoned.poison(keys)
         with self._stats_lock:
             self.stats.poisoned_keys += len(keys)
