@@ -34,9 +34,10 @@ class RemovalStillRunningError(KvoError, RuntimeError):
     """A save waited too long for a running removal of one of its keys."""
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class SaveTicket:
-    """What ``begin_save`` saw: each key's poisoning, to tell whether it changed meanwhile."""
+    """A save under way: its keys, and the poisoning of those poisoned when it began (to tell
+    whether they were poisoned again meanwhile)."""
 
     keys: frozenset[str]
     serials: dict[str, int]
@@ -55,8 +56,8 @@ class PoisonedKeys:
         self._pending: dict[str, None] = {}
         """Keys to remove, in the order asked (a dict as an ordered set)."""
         self._running: set[str] = set()
-        self._saving: dict[str, int] = {}
-        """Key -> saves of it under way."""
+        self._saves: list[SaveTicket] = []
+        """Saves under way (one at a time from the worker's saver thread)."""
         self.cancelled_removals = 0
         """Removals a later save made moot before they started."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
@@ -84,38 +85,40 @@ class PoisonedKeys:
 
     def poisoned_among(self, keys: Iterable[str]) -> set[str]:
         with self._cond:
+            if not self._poisoned:
+                return set()
             return {key for key in keys if key in self._poisoned}
 
     def begin_save(self, keys: Sequence[str], timeout_s: float) -> SaveTicket:
         """Before putting ``keys``: cancel their removals not yet started, wait for running
         ones (at most ``timeout_s``, else ``RemovalStillRunningError``; nothing taken)."""
-        wanted = set(keys)
+        wanted = frozenset(keys)
         with self._cond:
-            for key in wanted.intersection(self._pending):
-                del self._pending[key]
-                self.cancelled_removals += 1
-            if not self._cond.wait_for(lambda: self._running.isdisjoint(wanted), timeout_s):
+            if self._pending:
+                for key in wanted.intersection(self._pending):
+                    del self._pending[key]
+                    self.cancelled_removals += 1
+            if self._running and not self._cond.wait_for(
+                    lambda: self._running.isdisjoint(wanted), timeout_s):
                 raise RemovalStillRunningError(
                     f"kvo layerwise: a removal of {sorted(wanted & self._running)[:2]} (of "
                     f"{len(wanted & self._running)} keys) still runs after {timeout_s:g} s; the "
                     f"save of these keys is given up (they stay poisoned)")
-            for key in wanted:
-                self._saving[key] = self._saving.get(key, 0) + 1
-            serials = {key: self._poisoned.get(key, 0) for key in wanted}
-        return SaveTicket(keys=frozenset(wanted), serials=serials)
+            serials = ({key: self._poisoned[key] for key in wanted.intersection(self._poisoned)}
+                       if self._poisoned else {})
+            ticket = SaveTicket(keys=wanted, serials=serials)
+            self._saves.append(ticket)
+        return ticket
 
     def end_save(self, ticket: SaveTicket, *, stored: bool) -> None:
         """After the put: ``stored`` un-poisons keys not poisoned again while it ran."""
         with self._cond:
-            for key in ticket.keys:
-                left = self._saving[key] - 1
-                if left:
-                    self._saving[key] = left
-                else:
-                    del self._saving[key]
-                if stored and self._poisoned.get(key, 0) == ticket.serials[key]:
-                    self._poisoned.pop(key, None)
-            waiting = any(key in self._pending for key in ticket.keys)
+            self._saves.remove(ticket)
+            if stored:
+                for key, serial in ticket.serials.items():
+                    if self._poisoned.get(key) == serial:
+                        del self._poisoned[key]
+            waiting = bool(self._pending) and not ticket.keys.isdisjoint(self._pending)
         if waiting:
             self._executor.submit(self._drain)
 
@@ -135,7 +138,8 @@ class PoisonedKeys:
 
     def _drain(self) -> None:
         with self._cond:
-            batch = [key for key in self._pending if key not in self._saving]
+            saving = frozenset().union(*(ticket.keys for ticket in self._saves))
+            batch = [key for key in self._pending if key not in saving]
             for key in batch:
                 del self._pending[key]
             self._running.update(batch)

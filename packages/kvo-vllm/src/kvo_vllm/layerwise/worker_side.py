@@ -290,6 +290,14 @@ class LayerwiseWorker:
                        for ref in (*request.load_every_layer, *request.load_shared_layers))}
 
     def take_load_errors(self) -> set[int]:
+        """The step's failed block ids, reported at its end (sync loads: never a step late).
+
+        vLLM 0.32 applies them to every running request whose computed blocks include one
+        (``Scheduler._update_requests_with_invalid_blocks`` over ``self.running``), scheduled
+        this step or not: a running request that was not scheduled but shares such a block
+        through prefix caching is failed (or recomputed) too, though its KV is intact. vLLM
+        offers no finer channel (``failed_recving`` is for requests waiting on remote KV).
+        """
         errors, self._load_errors = self._load_errors, set()
         return errors
 
