@@ -30,26 +30,9 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from kvo_kernels.reference.primitives import sparse_mla_attention
 from kvo_vllm.dsa.indexer_cache import token_layout
-from kvo_vllm.dsa.main_kv import LayerInfo, MainKVAccess, make_main_kv_access
+from kvo_vllm.dsa.main_kv import LayerInfo, MainKVAccess, attend_rows, make_main_kv_access
 from kvo_vllm.dsa.stats import COUNTERS
-
-
-def attend_rows(query: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tensor,
-                valid: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-    """Sparse MLA attention of query token t over its own rows ``rows[t]`` [K, D].
-
-    The rows become kvo-kernels' ``sparse_mla_attention`` cache (``T x K`` rows) and each
-    token's slots are its own K rows in top-k order (-1 where ``valid`` is False), so the
-    arithmetic is exactly the reference's. Returns [T, N, kv_lora_rank].
-    """
-    tokens, top_k, width = rows.shape
-    flat = rows.reshape(tokens * top_k, width)
-    slots = torch.arange(tokens * top_k, dtype=torch.int64).view(tokens, top_k)
-    slots = torch.where(valid, slots, torch.full_like(slots, -1))
-    return sparse_mla_attention(query, query_rope, flat[:, :kv_lora_rank],
-                                flat[:, kv_lora_rank:], slots, scale)
 
 
 @attrs.define(eq=False)

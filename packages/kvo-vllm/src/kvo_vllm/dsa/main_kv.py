@@ -30,6 +30,7 @@ import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
+from kvo_kernels.reference.primitives import sparse_mla_attention
 
 OFFLOAD_MODULE = "kvo_vllm.dsa.offload_main_kv"
 OFFLOAD_CLASS = "OffloadMainKV"
@@ -69,6 +70,22 @@ class MainKVAccess(Protocol):
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         """The rows of each query token's selection ``topk`` [T, K] (request-local, -1 pad)."""
         ...
+
+
+def attend_rows(query: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tensor,
+                valid: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """Sparse MLA attention of query token t over its own rows ``rows[t]`` [K, D].
+
+    The rows become kvo-kernels' ``sparse_mla_attention`` cache (``T x K`` rows) and each
+    token's slots are its own K rows in top-k order (-1 where ``valid`` is False), so the
+    arithmetic is exactly the reference's. Returns [T, N, kv_lora_rank].
+    """
+    tokens, top_k, width = rows.shape
+    flat = rows.reshape(tokens * top_k, width)
+    slots = torch.arange(tokens * top_k, dtype=torch.int64).view(tokens, top_k)
+    slots = torch.where(valid, slots, torch.full_like(slots, -1))
+    return sparse_mla_attention(query, query_rope, flat[:, :kv_lora_rank],
+                                flat[:, kv_lora_rank:], slots, scale)
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:

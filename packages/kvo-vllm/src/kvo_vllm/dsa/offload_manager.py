@@ -24,6 +24,11 @@ Per layer call:
 
 Either way a token gets bit-identical rows in top-k order, so attention over them equals the
 resident path's. Row identity between calls: ``offload_identity.RowIdentity``.
+
+With ``fused=True`` (``kernel_backend="fused"``) the decode rows take the fused ops instead
+(:mod:`kvo_vllm.dsa.offload_fused`): :meth:`OffloadManager.attend` runs indexer + residency +
+copy + attention for them and the pool path above for the rest; the pool then keeps latent and
+rope apart, and ``gather`` is not used.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import torch
 from kvo_core.errors import ConfigError
 from kvo_core.residency import RequestState
 from kvo_kernels import ops
+from kvo_vllm.dsa.main_kv import attend_rows
+from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
 from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
@@ -63,7 +70,7 @@ class OffloadManager:
                  max_rows: int, max_blocks_per_row: int, top_k: int, capacity: int,
                  decode_query_rows: int, pool_name: str, residency_backend: str = "torch",
                  copy_implementation: str | None = None, device: torch.device | str = "cpu",
-                 stats: OffloadStats | None = None) -> None:
+                 stats: OffloadStats | None = None, fused: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_rows", max_rows), ("max_blocks_per_row", max_blocks_per_row),
                             ("top_k", top_k), ("capacity", capacity),
@@ -85,13 +92,22 @@ class OffloadManager:
         self.copy_implementation = copy_implementation
         self.stats = stats or OffloadStats()
         nbytes = pool_bytes_for(num_blocks * block_size, layout, block_size)
-        self.store = HostKVStore.create(pool_name, nbytes, layout, block_size)
+        self.store = HostKVStore.create(pool_name, nbytes, layout, block_size,
+                                        rope_apart=fused)
         try:
             rows = max_rows * capacity
+            self.fused: FusedDecode | None = None
+            if fused:
+                self.fused = FusedDecode(
+                    num_layers=layout.num_layers, max_rows=max_rows, capacity=capacity,
+                    block_size=block_size, top_k=top_k, decode_query_rows=decode_query_rows,
+                    latent_dim=layout.latent_dim, rope_dim=layout.rope_dim,
+                    dtype=layout.kv_dtype, device=self.device)
+            layers = 0 if fused else layout.num_layers
             self.hot = [torch.zeros(rows, layout.row_dim, dtype=layout.kv_dtype,
-                                    device=self.device) for _ in range(layout.num_layers)]
+                                    device=self.device) for _ in range(layers)]
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
-                           for _ in range(layout.num_layers)]
+                           for _ in range(layers)]
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
@@ -109,7 +125,8 @@ class OffloadManager:
     @property
     def hot_buffer_bytes(self) -> int:
         """Device bytes of all layers' hot buffers."""
-        return sum(h.numel() * h.element_size() for h in self.hot)
+        fused = 0 if self.fused is None else self.fused.hot_buffer_bytes
+        return fused + sum(h.numel() * h.element_size() for h in self.hot)
 
     @property
     def pool_region(self) -> tuple[int, int]:
@@ -117,8 +134,23 @@ class OffloadManager:
         return self.store.pool.ptr, self.store.pool.nbytes
 
     def pool_layer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s pool rows ``[num_blocks * block_size, row_dim]`` (slot-indexed)."""
+        """Layer ``layer``'s pool rows ``[num_blocks * block_size, row_dim]`` (slot-indexed;
+        not in fused mode, whose pool keeps latent and rope apart: :meth:`pool_parts`)."""
         return self.store.layer(layer)[:self.num_blocks * self.block_size]
+
+    def pool_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s pool as (latent, rope) ``[num_blocks, block_size, D]`` views."""
+        blocks, bs = self.num_blocks, self.block_size
+        latent = self.store.latent(layer)[:blocks * bs]
+        rope = self.store.rope(layer)[:blocks * bs]
+        return latent.view(blocks, bs, -1), rope.view(blocks, bs, -1)
+
+    def read_pool(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Pool rows ``rows`` (slot ids, any shape) as ``[..., row_dim]`` (a copy)."""
+        if self.fused is None:
+            return self.pool_layer(layer)[rows]
+        latent, rope = (part.flatten(0, 1) for part in self.pool_parts(layer))
+        return torch.cat([latent[rows], rope[rows]], dim=-1)
 
     # -- the per-call pipeline ---------------------------------------------------------------
 
@@ -128,8 +160,13 @@ class OffloadManager:
         keep = slots >= 0
         if not bool(keep.all()):
             rows, slots = rows[keep], slots[keep]
-        pool = self.pool_layer(layer)
-        pool.index_copy_(0, slots.cpu(), rows.to(device="cpu", dtype=pool.dtype))
+        rows = rows.to(device="cpu", dtype=self.layout.kv_dtype)
+        if self.fused is None:
+            self.pool_layer(layer).index_copy_(0, slots.cpu(), rows)
+        else:
+            latent, rope = (part.flatten(0, 1) for part in self.pool_parts(layer))
+            latent.index_copy_(0, slots.cpu(), rows[:, :self.layout.latent_dim])
+            rope.index_copy_(0, slots.cpu(), rows[:, self.layout.latent_dim:])
         self.identity[layer].note_writes(slots.cpu())
 
     def gather(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
@@ -140,6 +177,8 @@ class OffloadManager:
         ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
         ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
         """
+        if self.fused is not None:
+            raise RuntimeError("a fused-mode manager serves attention through attend()")
         topk = topk.cpu().to(_I64)
         qsl = query_start_loc.cpu().to(_I64)
         seq_lens = seq_lens.cpu().to(_I64)
@@ -221,6 +260,67 @@ class OffloadManager:
                         implementation=self.copy_implementation)
         slots = result.slots[req[:, None], cols]                          # [T, K]
         return (req[:, None] * cap + slots.clamp(min=0)), int(src.numel())
+
+    def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
+               topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor, indexer: IndexerInputs, scale: float) -> torch.Tensor:
+        """Fused mode: the attention output ``[T, N, latent]`` of every query token.
+
+        Decode rows go through the fused ops (their top-k comes from ``indexer``, the
+        lightning-indexer operands of all T tokens); the other tokens attend to their ``topk``
+        rows [T, K] (request-local, -1 pad; decode tokens' entries are not read) read straight
+        from the pool, as in :meth:`gather`. Other arguments as for :meth:`gather`.
+        """
+        if self.fused is None:
+            raise RuntimeError("attend() needs a manager built with fused=True")
+        qsl = query_start_loc.cpu().to(_I64)
+        seq_lens = seq_lens.cpu().to(_I64)
+        count = int(query.shape[0])
+        requests = int(seq_lens.shape[0])
+        bs = self.block_size
+        query_lens = qsl[1:requests + 1] - qsl[:requests]
+        blocks = block_table[:requests].cpu().to(_I64)
+        req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
+        if req.numel() != count:
+            raise ValueError(f"query has {count} rows, the query start locations name "
+                             f"{req.numel()} tokens")
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        decode = (query_lens >= 1) & (query_lens <= self.decode_query_rows)
+        decode_tok = decode[req]
+        self.identity[layer].forget(~decode)
+        out = torch.empty(query.shape, dtype=query.dtype, device=self.device)
+
+        direct = (~decode_tok).nonzero().squeeze(1)
+        if direct.numel():
+            picks = topk[:count].cpu().to(_I64)[direct]
+            valid = picks >= 0
+            pos = picks.clamp(min=0)
+            pool_rows = blocks[req[direct]].gather(1, pos // bs) * bs + pos % bs
+            rows = self.read_pool(layer, pool_rows).to(self.device)
+            rows[~valid.to(self.device)] = 0
+            where = direct.to(self.device)
+            out[where] = attend_rows(query[where], query_rope[where], rows,
+                                     valid.to(self.device), self.layout.latent_dim, scale)
+        selected = misses = 0
+        if bool(decode.any()):
+            rows_b = decode.nonzero().squeeze(1)
+            tokens = decode_tok.nonzero().squeeze(1)
+            latent, rope = self.pool_parts(layer)
+            result = self.fused.run(
+                layer, query=query, query_rope=query_rope, indexer=indexer, tokens=tokens,
+                rows=rows_b, query_lens=query_lens[rows_b], seq_lens=seq_lens[rows_b],
+                blocks=blocks[rows_b], serials=serials[rows_b], pool_latent=latent,
+                pool_rope=rope, scale=scale)
+            out[tokens.to(self.device)] = result.output
+            selected, misses = result.selected, result.misses
+
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
+            pool_rows=int((~decode).sum()), selected=selected, hits=selected - misses,
+            misses=misses, h2d_bytes=misses * self.row_bytes,
+            full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
+            pool_rows_used=int(seq_lens.sum())))
+        return out
 
     def close(self) -> None:
         """Release the host pool (unlinks the shared-memory segment)."""

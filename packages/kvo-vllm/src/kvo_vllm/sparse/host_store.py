@@ -6,6 +6,11 @@ records the geometry (so an attaching rank with a different model or block size 
 once) and the owner of every block (so a rank whose allocation diverged from rank 0's fails
 instead of reading another request's rows). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
 all offsets are Python ints (64-bit), whatever the pool size.
+
+``rope_apart=True`` lays each layer's region out as ``[rows, latent]`` followed by
+``[rows, rope]`` instead (same bytes per layer): the fused Copy-SFA op
+(``kvo::scatter_copy_sparse_flash_attention``) takes the host cache as two contiguous tensors,
+``dram_kv_cache`` and ``dram_k_rope``, which interleaved rows cannot be viewed as.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from kvo_vllm.sparse.layout import KV_DTYPES, SparseModelLayout
 MAGIC = 0x6B766F2D73706172  # "kvo-spar"
 VERSION = 1
 META_FIELDS = ("magic", "version", "num_layers", "row_dim", "dtype", "block_size",
-               "total_blocks")
+               "total_blocks", "rope_apart")
 _META_SLOTS = 16
 NO_OWNER = -1
 
@@ -69,36 +74,40 @@ class HostKVStore:
     """Views of one host pool laid out for a model; use ``create`` (TP rank 0) or ``attach``."""
 
     def __init__(self, pool: HostPool, layout: SparseModelLayout,
-                 geometry: PoolGeometry) -> None:
+                 geometry: PoolGeometry, *, rope_apart: bool = False) -> None:
         self.pool = pool
         self.layout = layout
         self.geometry = geometry
+        self.rope_apart = rope_apart
         self._meta = pool.view(torch.int64, (_META_SLOTS,))
         self.owners = pool.view(torch.int64, (geometry.total_blocks,), _META_SLOTS * 8)
         self.rows = pool.view(layout.kv_dtype,
                               (layout.num_layers, geometry.total_rows, layout.row_dim),
                               geometry.header_bytes)
+        self._flat = self.rows.view(layout.num_layers, geometry.total_rows * layout.row_dim)
 
     def _expected_meta(self) -> list[int]:
         return [MAGIC, VERSION, self.layout.num_layers, self.layout.row_dim,
                 KV_DTYPES.index(self.layout.kv_dtype), self.geometry.block_size,
-                self.geometry.total_blocks]
+                self.geometry.total_blocks, int(self.rope_apart)]
 
     @classmethod
     def create(cls, name: str, nbytes: int, layout: SparseModelLayout,
-               block_size: int) -> HostKVStore:
+               block_size: int, *, rope_apart: bool = False) -> HostKVStore:
         plan_pool(nbytes, layout, block_size)  # refuse a too-small size before creating
         pool = HostPool.create(name, nbytes)
-        store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size))
+        store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size),
+                    rope_apart=rope_apart)
         store.owners.fill_(NO_OWNER)
         store._meta[:len(META_FIELDS)] = torch.tensor(store._expected_meta())
         return store
 
     @classmethod
-    def attach(cls, name: str, layout: SparseModelLayout, block_size: int) -> HostKVStore:
+    def attach(cls, name: str, layout: SparseModelLayout, block_size: int, *,
+               rope_apart: bool = False) -> HostKVStore:
         pool = HostPool.attach(name)
         geometry = plan_pool(pool.nbytes, layout, block_size)
-        store = cls(pool, layout, geometry)
+        store = cls(pool, layout, geometry, rope_apart=rope_apart)
         found = store._meta[:len(META_FIELDS)].tolist()
         expected = store._expected_meta()
         if found != expected:
@@ -111,11 +120,31 @@ class HostKVStore:
         return store
 
     def layer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s rows, ``[total_rows, latent + rope]``."""
+        """Layer ``layer``'s rows, ``[total_rows, latent + rope]`` (interleaved layout only)."""
+        if self.rope_apart:
+            raise ValueError("this pool keeps latent and rope apart (rope_apart=True): use "
+                             "latent(layer) and rope(layer)")
         return self.rows[layer]
 
+    def latent(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s latent parts ``[total_rows, latent]`` (contiguous iff rope_apart)."""
+        if not self.rope_apart:
+            return self.rows[layer][:, :self.layout.latent_dim]
+        size = self.geometry.total_rows * self.layout.latent_dim
+        return self._flat[layer, :size].view(self.geometry.total_rows, self.layout.latent_dim)
+
+    def rope(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s rope parts ``[total_rows, rope]`` (contiguous iff rope_apart)."""
+        if not self.rope_apart:
+            return self.rows[layer][:, self.layout.latent_dim:]
+        size = self.geometry.total_rows * self.layout.latent_dim
+        return self._flat[layer, size:].view(self.geometry.total_rows, self.layout.rope_dim)
+
     def region(self, layer: int, taken: RowRange) -> tuple[int, int]:
-        """(address, bytes) of a range of one layer in this process: what a transfer fills."""
+        """(address, bytes) of a range of one layer in this process: what a transfer fills
+        (interleaved layout only: with rope_apart a row range is two regions)."""
+        if self.rope_apart:
+            raise ValueError("region() needs the interleaved layout (rope_apart=False)")
         offset = (self.geometry.header_bytes
                   + (layer * self.geometry.total_rows + taken.start) * self.layout.row_bytes)
         return self.pool.ptr + offset, taken.rows * self.layout.row_bytes
