@@ -24,6 +24,7 @@ import torch
 from models.tiny_dsa import LayerRows, ResidentBackend, TinyDSA, TinyDSAConfig
 
 from kvo_core.config import SparseDecodeOffloadConfig
+from kvo_core.errors import ConfigError
 from kvo_kernels import ops
 from kvo_vllm.sparse import (
     AdmissionError,
@@ -448,6 +449,14 @@ def test_admission_refused_when_pool_too_small_and_finish_frees_rows() -> None:
         assert torch.equal(engine.host_rows("c", 1)[:30],
                            torch.cat([small_history(30, 3)[1].kv,
                                       small_history(30, 3)[1].k_rope], dim=-1))
+
+
+def test_fused_kernel_backend_is_refused_by_the_harness() -> None:
+    config = SparseDecodeOffloadConfig(top_k=4, block_size=16, hot_capacity=16,
+                                       kernel_backend="fused")
+    with pytest.raises(ConfigError, match=r"kernel_backend 'fused' .* allowed here: auto, "
+                                          r"reference, triton"):
+        SparseDecodeOffload(config, SMALL, max_rows=4, max_model_len=64, pool_name=pool_name())
 
 
 def test_history_longer_than_budget_is_refused() -> None:

@@ -73,13 +73,14 @@ def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
 
 
-def _engine(model: Path, mode: str, **extra: Any) -> Any:
+def _engine(model: Path, mode: str, settings: dict[str, Any] | None = None,
+            **extra: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
                distributed_executor_backend="uni", max_model_len=512, max_num_seqs=2,
                max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=BLOCKS, seed=0,
-               additional_config={"kvo_sparse": {"mode": mode}}, **extra)
+               additional_config={"kvo_sparse": {"mode": mode, **(settings or {})}}, **extra)
 
 
 def _generate(llm: Any, prompts: list[str], max_tokens: list[int]) -> Answers:
@@ -279,11 +280,83 @@ def test_hits_are_served_from_the_hot_buffer(runs: Runs) -> None:
     assert logprobs[:PROBE_STEP + 1] == reference[:PROBE_STEP + 1]
 
 
+@attrs.frozen
+class FusedRun:
+    answers: Answers
+    preemptions: int
+    manage_calls: int          # kvo::lightning_indexer_manage calls (decode rows)
+    copy_sfa_calls: int        # kvo::scatter_copy_sparse_flash_attention calls
+    copied_rows: int           # rows Copy-SFA was told to copy (its miss_counts, summed)
+    stats: Any
+    row_bytes: int
+    hot_bytes: int
+
+
+@pytest.fixture(scope="module")
+def fused_run(engine_env: None, dsv32_model: Path) -> Iterator[FusedRun]:
+    """The main scenario once more with ``kernel_backend="fused"`` (one more engine)."""
+    from kvo_kernels import ops
+    from kvo_vllm.dsa.offload_main_kv import offload_workers
+
+    counts = {"manage": 0, "copy_sfa": 0, "rows": 0}
+    manage, copy_sfa = ops.lightning_indexer_manage, ops.scatter_copy_sparse_flash_attention
+
+    def counted_manage(*args: Any, **kwargs: Any) -> None:
+        counts["manage"] += 1
+        manage(*args, **kwargs)
+
+    def counted_copy_sfa(*args: Any, **kwargs: Any) -> None:
+        counts["copy_sfa"] += 1
+        counts["rows"] += int(args[10].sum())   # miss_counts
+        copy_sfa(*args, **kwargs)
+
+    earlier = {id(w) for w in offload_workers()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "lightning_indexer_manage", counted_manage)
+        mp.setattr(ops, "scatter_copy_sparse_flash_attention", counted_copy_sfa)
+        llm = _engine(dsv32_model, "offload", {"kernel_backend": "fused"})
+        preempted = _count_preemptions(llm, mp)
+        answers = _generate(llm, PROMPTS, MAX_TOKENS)
+        worker = next(w for w in offload_workers() if id(w) not in earlier
+                      and w.manager is not None)
+        manager = worker.manager
+        yield FusedRun(answers=answers, preemptions=preempted[0], manage_calls=counts["manage"],
+                       copy_sfa_calls=counts["copy_sfa"], copied_rows=counts["rows"],
+                       stats=worker.stats, row_bytes=manager.row_bytes,
+                       hot_bytes=manager.hot_buffer_bytes)
+        _stop(llm)
+
+
+def test_fused_decode_gives_the_same_tokens_as_non_fused(runs: Runs, fused_run: FusedRun
+                                                         ) -> None:
+    """Same scenario (chunked prefill, joins, finishes, a preemption): identical tokens.
+    Logprobs agree to float rounding only, not bit for bit: the fused op attends the selected
+    rows in its misses-first order (another softmax summation order) and scores the indexer
+    per request rather than batched."""
+    assert fused_run.preemptions == runs.offload_preemptions >= 1
+    assert [tokens for tokens, _ in fused_run.answers] == [tokens for tokens, _ in runs.offload]
+    for (_, fused), (_, plain) in zip(fused_run.answers, runs.offload, strict=True):
+        assert max(abs(a - b) for a, b in zip(fused, plain, strict=True)) < 1e-3
+
+
+def test_fused_decode_runs_through_the_fused_ops(fused_run: FusedRun) -> None:
+    totals = fused_run.stats.totals
+    decode_calls = [s for s in fused_run.stats.history if s.decode_rows]
+    # one manage + one Copy-SFA per layer call with decode rows, nothing else
+    assert fused_run.manage_calls == fused_run.copy_sfa_calls == len(decode_calls) > 0
+    assert totals.misses > 0 and totals.hits > 0
+    assert fused_run.copied_rows == totals.misses
+    assert totals.h2d_bytes == totals.misses * fused_run.row_bytes < totals.full_reload_bytes
+    # the same device footprint: max_num_seqs x 2 x top-k rows per layer (latent + rope)
+    assert fused_run.hot_bytes == NUM_LAYERS * 2 * (2 * INDEX_TOPK) * fused_run.row_bytes
+
+
 def test_mtp_query_rows_share_the_residency_row(engine_env: None,
                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """MTP (one draft token): the verify step has two query rows per request, which share the
     request's residency row; rejected drafts are rewritten next step (stable-prefix rule).
-    Offload equals resident, tokens and logprobs; the draft layer is offloaded too."""
+    Offload equals resident, tokens and logprobs; the draft layer is offloaded too. With
+    ``kernel_backend="fused"`` the two rows go through one manage call (same tokens)."""
     from models.tiny_dsv32 import build_tiny_dsv32
 
     from kvo_vllm.dsa.offload_main_kv import offload_workers
@@ -294,9 +367,15 @@ def test_mtp_query_rows_share_the_residency_row(engine_env: None,
     prompts, max_tokens = [PROMPTS[1], PROMPTS[3]], [8, 8]
     answers = {}
     earlier = {id(w) for w in offload_workers()}
-    for mode in ("resident", "offload"):
-        llm = _engine(model, mode, speculative_config=speculative)
+    for mode, settings in (("resident", {}), ("offload", {}),
+                           ("fused", {"kernel_backend": "fused"})):
+        llm = _engine(model, "resident" if mode == "resident" else "offload", settings,
+                      speculative_config=speculative)
         answers[mode] = _generate(llm, prompts, max_tokens)
+        if mode == "fused":
+            fused_shared = [s for w in offload_workers() if id(w) not in earlier
+                            and w.manager is not None and w.manager.fused is not None
+                            for s in w.stats.history if s.decode_tokens > s.decode_rows]
         if mode == "offload":
             workers = [w for w in offload_workers()
                        if id(w) not in earlier and w.manager is not None]
@@ -308,6 +387,9 @@ def test_mtp_query_rows_share_the_residency_row(engine_env: None,
     assert f"model.layers.{NUM_LAYERS}.self_attn.attn" in names     # the MTP layer
     assert shared                     # verify steps: two query rows in one residency row
     assert answers["offload"] == answers["resident"]
+    assert fused_shared
+    assert [tokens for tokens, _ in answers["fused"]] == [
+        tokens for tokens, _ in answers["offload"]]
 
 
 def test_pool_too_small_for_one_request_is_refused_at_start(engine_env: None,

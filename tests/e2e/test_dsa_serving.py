@@ -325,11 +325,41 @@ def test_bad_sparse_settings_fail_at_start_naming_the_field(engine_env: None,
                                                             dsv32_model: Path) -> None:
     for settings, words in (({"indexer_kv_dtype": "fp8"}, ("indexer_kv_dtype", "'fp8'")),
                             ({"capacity": 64}, ("unknown", "'capacity'", "hot_capacity")),
-                            ({"kernel_backend": "triton"}, ("'triton'", "auto, reference"))):
+                            ({"kernel_backend": "triton"}, ("'triton'", "auto, reference")),
+                            ({"mode": "offload", "kernel_backend": "native"},
+                             ("'native'", "_C_ascend", "auto, reference, fused"))):
         with pytest.raises(Exception) as raised:  # vLLM may wrap the ConfigError
             _engine(dsv32_model, additional_config={"kvo_sparse": settings})
         for word in words:
             assert word in str(raised.value)
+
+
+def test_c8_indexer_through_the_fused_ops_gives_the_same_tokens(engine_env: None,
+                                                                served: Served,
+                                                                dsv32_model: Path) -> None:
+    """``kernel_backend="fused"`` with the C8 cache: decode rows select through
+    ``kvo::quant_lightning_indexer_manage`` (int8 query and keys, fp16 scales read in place
+    from kvo's cache rows) and attend through Copy-SFA, main KV offloaded. Same tokens as the
+    resident C8 engine (offload equals resident: tests/e2e/test_dsa_offload.py)."""
+    from kvo_kernels import ops
+
+    calls = [0]
+    quant_manage = ops.quant_lightning_indexer_manage
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        quant_manage(*args, **kwargs)
+
+    settings = {**C8, "mode": "offload", "kernel_backend": "fused"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "quant_lightning_indexer_manage", counted)
+        llm = _engine(dsv32_model, additional_config={"kvo_sparse": settings})
+        try:
+            answers = _generate(llm)
+        finally:
+            _stop(llm)
+    assert calls[0] >= NUM_LAYERS * (MAX_TOKENS - 1)   # every decode step, every layer
+    assert [tokens for tokens, _ in answers] == [tokens for tokens, _ in served.c8]
 
 
 def test_mtp_speculative_decoding_gives_the_same_tokens(engine_env: None, served: Served,

@@ -95,7 +95,7 @@ INVALID: list[tuple[type[Any], dict[str, Any], tuple[str, ...]]] = [
     (SparseDecodeOffloadConfig, {"indexer_kv_dtype": "fp8"},
      ("indexer_kv_dtype", "'fp8'", "bfloat16, int8")),
     (SparseDecodeOffloadConfig, {"kernel_backend": "cuda"},
-     ("kernel_backend", "'cuda'", "auto, reference, triton, native")),
+     ("kernel_backend", "'cuda'", "auto, reference, triton, native, fused")),
     (SparseDecodeOffloadConfig, {"residency_backend": "numpy"},
      ("residency_backend", "'numpy'", "torch, native")),
     (SparseDecodeOffloadConfig, {"mode": "remote"}, ("mode", "'remote'", "resident, offload")),

@@ -50,9 +50,31 @@ def test_settings_come_from_exactly_one_place() -> None:
     ({"hot_capacity": 16}, ("hot_capacity", ">= top_k")),
     ({"kernel_backend": "triton"}, ("kernel_backend", "'triton'", "available: auto, reference")),
     ({"kernel_backend": "native"}, ("kernel_backend", "'native'", "available: auto, reference")),
+    ({"kernel_backend": "fused"},
+     ("kernel_backend", "'fused'", "mode 'resident'", "set mode 'offload'",
+      "available: auto, reference")),
+    ({"mode": "offload", "kernel_backend": "triton"},
+     ("kernel_backend", "'triton'", "mode 'offload'", "available: auto, reference, fused")),
+    ({"mode": "offload", "kernel_backend": "native"},
+     ("kernel_backend", "'native'", "_C_ascend", "available: auto, reference, fused")),
 ])
 def test_bad_values_are_refused_naming_the_field(settings: dict, words: tuple) -> None:
     with pytest.raises(ConfigError) as raised:
         _resolve(settings)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_fused_is_accepted_in_offload_mode() -> None:
+    config = _resolve({"mode": "offload", "kernel_backend": "fused"})
+    assert (config.mode, config.kernel_backend) == ("offload", "fused")
+
+
+def test_triton_refusal_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed or not, Triton cannot run kvo's CPU sparse backend: the error says which."""
+    from kvo_kernels import dispatch
+
+    for installed, reason in ((False, "triton is not installed"), (True, "interpreter")):
+        monkeypatch.setattr(dispatch, "triton_available", lambda installed=installed: installed)
+        with pytest.raises(ConfigError, match=reason):
+            _resolve({"mode": "offload", "kernel_backend": "triton"})

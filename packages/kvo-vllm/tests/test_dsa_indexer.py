@@ -4,11 +4,19 @@ selection close to bf16's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kvo_kernels import ops
+from kvo_kernels.cache_pool import new_cache_slots_pool
 from kvo_kernels.reference.primitives import indexer_scores, topk_indices
 from kvo_vllm.dsa.indexer import gather_request_keys, scores_for_tokens, select_topk
-from kvo_vllm.dsa.indexer_cache import IndexerKeyLayout, KvoIndexerMetadata, write_rows
+from kvo_vllm.dsa.indexer_cache import (
+    IndexerKeyLayout,
+    KvoIndexerMetadata,
+    fused_indexer_inputs,
+    write_rows,
+)
 
 HEADS, DIM, BLOCK, TOP_K = 4, 128, 16, 24
 
@@ -83,7 +91,8 @@ def test_topk_is_causal_request_local_and_follows_the_primitive() -> None:
     for r in range(len(SEQ_LENS)):
         rows = metadata.token_request == r
         stored = keys[r].to(torch.bfloat16).float()
-        scores = indexer_scores(query[rows], weights[rows], stored)
+        # the bf16 indexer scores bf16 operands: the query is rounded like the keys
+        scores = indexer_scores(query[rows].to(torch.bfloat16).float(), weights[rows], stored)
         expected = topk_indices(scores, TOP_K, metadata.token_position[rows] + 1)
         # near-ties may order differently between two summation orders; the sets agree
         for got, want in zip(topk[rows], expected, strict=True):
@@ -118,3 +127,35 @@ def test_key_rows_round_trip_through_the_cache_layouts() -> None:
 
     rotated = keys @ hadamard_matrix(DIM)
     torch.testing.assert_close(c8.decode(c8.encode(keys)), rotated, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_fused_manage_op_reads_the_cache_layout_and_selects_like_the_indexer(dtype: str) -> None:
+    """``kernel_backend="fused"``: the manage op, given views of kvo's indexer cache (no copy),
+    selects for decode rows what kvo's batched indexer selects (state -3: no residency)."""
+    layout = IndexerKeyLayout(DIM, dtype)
+    keys, query, weights, metadata = _batch(SEQ_LENS, QUERY_LENS, seed=3)
+    cache = _fill(layout, keys, metadata)
+    want = select_topk(query, weights, cache, layout, metadata, TOP_K)
+    inputs = fused_indexer_inputs(layout, cache, query, weights)
+    assert inputs.key_cache.data_ptr() == cache.data_ptr()
+    decode = [r for r, q in enumerate(QUERY_LENS) if q == 1]
+    tokens = torch.tensor([int((metadata.token_request == r).nonzero()) for r in decode])
+    batch = len(decode)
+    src = torch.empty(batch, 1, TOP_K, dtype=torch.int64)
+    dst, row_misses = torch.empty_like(src), torch.empty(batch, dtype=torch.int64)
+    miss_src = torch.empty(batch, TOP_K, dtype=torch.int64)
+    miss_dst, miss_counts = torch.empty_like(miss_src), torch.empty(batch, dtype=torch.int64)
+    seq = torch.tensor([SEQ_LENS[r] for r in decode])
+    manage = ops.quant_lightning_indexer_manage if inputs.quantised else \
+        ops.lightning_indexer_manage
+    manage(inputs.weights[tokens], inputs.query_scale[tokens], inputs.query[tokens],
+           inputs.key_scale, inputs.key_cache, metadata.block_table[decode],
+           torch.arange(1, batch + 1), seq, seq - 1, torch.full((batch,), 2 * TOP_K),
+           torch.full((batch,), -3), torch.arange(batch), new_cache_slots_pool(batch, 2 * TOP_K),
+           src, dst, row_misses, miss_src, miss_dst, miss_counts)
+    assert row_misses.tolist() == [0] * batch   # state -3: identity slots, nothing copied
+    for row, t in enumerate(tokens.tolist()):
+        got, expected = src[row, 0], want[t]
+        overlap = set(got[got >= 0].tolist()) & set(expected[expected >= 0].tolist())
+        assert len(overlap) >= int((expected >= 0).sum()) - 1   # near-ties: two sum orders

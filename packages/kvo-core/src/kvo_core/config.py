@@ -31,7 +31,7 @@ MEMFABRIC_PROTOCOLS = ("sdma", "device_rdma", "device_urma")
 MEMFABRIC_ROLES = ("Prefill", "Decode")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 INDEXER_KV_DTYPES = ("bfloat16", "int8")
-KERNEL_BACKENDS = ("auto", "reference", "triton", "native")
+KERNEL_BACKENDS = ("auto", "reference", "triton", "native", "fused")
 RESIDENCY_BACKENDS = ("torch", "native")
 CONTROL_SECRET_ENV = "KVO_CONTROL_SECRET"
 """Environment variable holding the control plane's shared secret (the config key wins)."""

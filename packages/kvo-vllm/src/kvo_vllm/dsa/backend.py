@@ -30,8 +30,16 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from kvo_core.errors import ConfigError
+from kvo_vllm.dsa.config import uses_fused_ops
 from kvo_vllm.dsa.indexer_cache import token_layout
-from kvo_vllm.dsa.main_kv import LayerInfo, MainKVAccess, attend_rows, make_main_kv_access
+from kvo_vllm.dsa.main_kv import (
+    FusedMainKVAccess,
+    LayerInfo,
+    MainKVAccess,
+    attend_rows,
+    make_main_kv_access,
+)
 from kvo_vllm.dsa.stats import COUNTERS
 
 
@@ -104,6 +112,7 @@ class KvoSparseMLAImpl(MLAAttentionImpl[KvoSparseMLAMetadata], SharedTopkIndices
         self.supports_quant_query_input = False
         self.main_kv: MainKVAccess | None = None
         self.layer_info: LayerInfo | None = None
+        self.fused = False
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
 
     def bind_layer(self, layer: LayerInfo) -> None:
@@ -113,6 +122,12 @@ class KvoSparseMLAImpl(MLAAttentionImpl[KvoSparseMLAMetadata], SharedTopkIndices
                              f"impl's {self.kv_lora_rank} + {self.rope_dim}")
         self.layer_info = layer
         self.main_kv = make_main_kv_access(layer)
+        self.fused = uses_fused_ops(layer.config)
+        if self.fused and getattr(self._indexer, "indexer_op", None) is None:
+            raise ConfigError(
+                f"{layer.layer_name}: kernel_backend 'fused' needs the layer's own lightning "
+                f"indexer (the fused op selects and attends in one call); this layer reuses "
+                f"another layer's top-k. Available for this model: auto, reference")
 
     def _strategy(self) -> MainKVAccess:
         if self.main_kv is None:
@@ -142,12 +157,36 @@ class KvoSparseMLAImpl(MLAAttentionImpl[KvoSparseMLAMetadata], SharedTopkIndices
         buffer = self.topk_indices_buffer
         assert buffer is not None, "sparse MLA without a top-k buffer"
         topk = buffer[:tokens, : attn_metadata.topk_tokens]
-        selected = self._strategy().gather(kv_c_and_k_pe_cache, topk, attn_metadata)
-        output = attend_rows(query, query_rope, selected.rows, selected.valid,
-                             self.kv_lora_rank, self.scale)
+        if self.fused:
+            output = self._fused_forward(query, query_rope, kv_c_and_k_pe_cache, topk,
+                                         attn_metadata)
+        else:
+            selected = self._strategy().gather(kv_c_and_k_pe_cache, topk, attn_metadata)
+            output = attend_rows(query, query_rope, selected.rows, selected.valid,
+                                 self.kv_lora_rank, self.scale)
         COUNTERS.attention_calls += 1
         COUNTERS.attention_rows += tokens
         return output, None
+
+
+    def _fused_forward(self, query: torch.Tensor, query_rope: torch.Tensor,
+                       kv_cache: torch.Tensor, topk: torch.Tensor,
+                       attn_metadata: KvoSparseMLAMetadata) -> torch.Tensor:
+        """``kernel_backend="fused"``: the indexer op of this layer left its operands; the
+        offload strategy runs the fused ops for decode rows (``OffloadMainKV.attend``)."""
+        indexer_op = self._indexer.indexer_op  # type: ignore[attr-defined]
+        inputs = indexer_op.fused_inputs
+        indexer_op.fused_inputs = None  # one layer call's operands, never reused
+        if inputs is None:
+            raise RuntimeError("kernel_backend 'fused': the layer's indexer op left no "
+                               "operands for this step (kvo's indexer op did not run)")
+        strategy = self._strategy()
+        if not isinstance(strategy, FusedMainKVAccess):
+            raise RuntimeError(f"kernel_backend 'fused' needs the offload strategy, got "
+                               f"{type(strategy).__name__}")
+        output: torch.Tensor = strategy.attend(kv_cache, query, query_rope, topk,
+                                               attn_metadata, inputs, self.scale)
+        return output
 
 
 class KvoSparseMLABackend(AttentionBackend):

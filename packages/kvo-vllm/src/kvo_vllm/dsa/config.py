@@ -27,6 +27,56 @@ ENV_VAR = "KVO_SPARSE_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvo_sparse"
 RESIDENT_KERNEL_BACKENDS = ("auto", "reference")
 """What the resident mode runs here: kvo-kernels' reference primitives (``auto`` picks them)."""
+OFFLOAD_KERNEL_BACKENDS = ("auto", "reference", "fused")
+"""What the offload mode runs here: the reference primitives and ``kvo::sparse_copy``, or
+(``fused``) the fused ops for decode rows, each with the implementation kvo-kernels' dispatch
+picks for the device (the reference on CPU)."""
+
+
+def kernel_backends(mode: str) -> tuple[str, ...]:
+    """The ``kernel_backend`` values kvo's sparse MLA backend can run in ``mode`` here."""
+    return OFFLOAD_KERNEL_BACKENDS if mode == "offload" else RESIDENT_KERNEL_BACKENDS
+
+
+def _why_not(kernel_backend: str) -> str:
+    """Why a backend name cannot run in kvo's CPU sparse MLA backend (for the error)."""
+    from kvo_kernels import dispatch
+
+    if kernel_backend == "fused":
+        return "the fused ops serve offloaded decode rows: set mode 'offload'"
+    if kernel_backend == "triton":
+        if not dispatch.triton_available():
+            return "triton is not installed"
+        return ("kvo's sparse MLA backend runs on the CPU, where Triton runs only in its "
+                "interpreter, a test mode")
+    if kernel_backend == "native":
+        if dispatch.torch_ops_native_lookup(dispatch.NATIVE_OPS["lightning_indexer_manage"]) \
+                is None:
+            return ("the Ascend ops torch.ops._C_ascend.npu_fused_* are not registered "
+                    "(they come with a vllm-ascend build)")
+        return "kvo's sparse MLA backend runs on the CPU, the Ascend ops on NPU tensors"
+    return "not a backend of kvo's sparse MLA attention"
+
+
+def decode_query_rows(config: SparseDecodeOffloadConfig) -> int:
+    """Query rows up to which a request's call is a decode (residency, hot buffer): at most
+    ``max_query_rows``, and as many whole top-k selections as ``hot_capacity`` holds."""
+    return min(config.max_query_rows, config.hot_capacity // config.top_k)
+
+
+def uses_fused_ops(config: SparseDecodeOffloadConfig) -> bool:
+    """Decode rows run through kvo-kernels' fused ops (``kernel_backend="fused"``)."""
+    return config.mode == "offload" and config.kernel_backend == "fused"
+
+
+def check_kernel_backend(config: SparseDecodeOffloadConfig) -> None:
+    """Refuse at start-up a ``kernel_backend`` that cannot run here, naming what can."""
+    available = kernel_backends(config.mode)
+    if config.kernel_backend not in available:
+        raise ConfigError(
+            f"kernel_backend {config.kernel_backend!r} cannot run in mode {config.mode!r} on "
+            f"this device ({_why_not(config.kernel_backend)}); available: "
+            f"{', '.join(available)}")
 
 
 def raw_sparse_settings(additional_config: Any, environ: Mapping[str, str] | None = None
@@ -68,10 +118,7 @@ def resolve_sparse_config(settings: Mapping[str, Any], *, index_topk: int,
     if "hot_capacity" not in values and isinstance(block, int) and block > 0:
         values["hot_capacity"] = -(-2 * index_topk // block) * block
     config = SparseDecodeOffloadConfig.from_extra_config(values)
-    if config.mode == "resident" and config.kernel_backend not in RESIDENT_KERNEL_BACKENDS:
-        raise ConfigError(
-            f"kernel_backend {config.kernel_backend!r} cannot run in mode 'resident' on this "
-            f"device; available: {', '.join(RESIDENT_KERNEL_BACKENDS)}")
+    check_kernel_backend(config)
     return config
 
 

@@ -23,7 +23,13 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
 from kvo_kernels.reference.primitives import topk_indices
-from kvo_vllm.dsa.indexer_cache import IndexerKeyLayout, KvoIndexerMetadata, write_rows
+from kvo_vllm.dsa.indexer_cache import (
+    IndexerKeyLayout,
+    KvoIndexerMetadata,
+    fused_indexer_inputs,
+    write_rows,
+)
+from kvo_vllm.dsa.offload_fused import IndexerInputs
 from kvo_vllm.dsa.stats import COUNTERS
 
 MAX_SCORE_ELEMENTS = 1 << 24
@@ -80,7 +86,15 @@ class KvoSparseAttnIndexer(SparseAttnIndexer):
 
     Expects the query unquantised (kvo's model class, :mod:`kvo_vllm.dsa.model`, skips vLLM's
     fp8 query quantisation, a Triton kernel on CPU) and ``weights`` already scaled.
+
+    With ``kernel_backend="fused"`` (``fused_decode_rows`` > 0, set by kvo's model class) the
+    decode rows' selection belongs to the fused manage op, run by the attention impl: the op
+    then leaves its operands in ``fused_inputs`` for the impl and, when every request of the
+    batch is a decode (at most ``fused_decode_rows`` query rows), selects nothing itself.
     """
+
+    fused_decode_rows: int = 0
+    fused_inputs: IndexerInputs | None = None
 
     def forward_native(self, hidden_states: torch.Tensor, q_quant: Any, k: torch.Tensor | None,
                        weights: torch.Tensor) -> torch.Tensor:
@@ -108,6 +122,13 @@ class KvoSparseAttnIndexer(SparseAttnIndexer):
         tokens = metadata.num_actual_tokens
         if k is not None:
             write_rows(cache, metadata.slot_mapping, layout.encode(k[:tokens]))
+        if self.fused_decode_rows:
+            self.fused_inputs = fused_indexer_inputs(layout, cache, query[:tokens],
+                                                     weights[:tokens])
+            if metadata.max_query_len <= self.fused_decode_rows:
+                COUNTERS.indexer_calls += 1
+                COUNTERS.indexer_rows += tokens
+                return buffer
         topk = select_topk(query[:tokens], weights[:tokens], cache, layout, metadata,
                            self.topk_tokens)
         buffer[:tokens, : self.topk_tokens] = topk.to(buffer.dtype)

@@ -37,6 +37,7 @@ from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
 from kvo_kernels.reference.primitives import hadamard_quant_int8
+from kvo_vllm.dsa.offload_fused import IndexerInputs
 
 INT8_SCALE_BYTES = 2
 INT8_PAD_BYTES = 2
@@ -79,11 +80,33 @@ class IndexerKeyLayout:
         return values * scales.view(torch.float16).float()
 
     def encode_query(self, query: torch.Tensor) -> torch.Tensor:
-        """The query in the keys' space: C8 rotates and int8-quantises it as well (per head)."""
+        """The query in the keys' space, fp32: bf16 rounds it to bf16 like the keys (the
+        fused BF16 op takes query and keys in one dtype, so both paths score the same
+        operands); C8 rotates and int8-quantises it as well (per head)."""
         if not self.quantised:
-            return query.float()
+            return query.to(torch.bfloat16).float()
         values, scales = hadamard_quant_int8(query)
         return values.float() * scales.float()
+
+
+def fused_indexer_inputs(layout: IndexerKeyLayout, cache: torch.Tensor, query: torch.Tensor,
+                         weights: torch.Tensor) -> IndexerInputs:
+    """The manage op's indexer operands: views of the cache ``[blocks, block, row_bytes]``
+    (no copy) and the query in the op's form (bf16; C8: int8 with fp16 scales)."""
+    blocks, block = cache.shape[0], cache.shape[1]
+    if not layout.quantised:
+        keys = cache.view(torch.bfloat16).unsqueeze(2)
+        ones = torch.ones(1, 1, 1, device=cache.device).expand(blocks, block, 1)
+        return IndexerInputs(query=query.to(torch.bfloat16),
+                             query_scale=ones[0, 0].expand(*query.shape[:2]),
+                             weights=weights.float(), key_cache=keys, key_scale=ones,
+                             quantised=False)
+    dim = layout.head_dim
+    keys = cache[..., :dim].view(torch.int8).unsqueeze(2)
+    key_scale = cache[..., dim: dim + INT8_SCALE_BYTES].view(torch.float16)
+    values, scales = hadamard_quant_int8(query)
+    return IndexerInputs(query=values, query_scale=scales[..., 0], weights=weights.float(),
+                         key_cache=keys, key_scale=key_scale, quantised=True)
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ same arguments. One strategy object serves one attention layer.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -69,6 +69,17 @@ class MainKVAccess(Protocol):
 
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         """The rows of each query token's selection ``topk`` [T, K] (request-local, -1 pad)."""
+        ...
+
+
+@runtime_checkable
+class FusedMainKVAccess(MainKVAccess, Protocol):
+    """A strategy that also runs whole decode rows through kvo-kernels' fused ops
+    (``kernel_backend="fused"``: ``kvo_vllm.dsa.offload_main_kv.OffloadMainKV``)."""
+
+    def attend(self, kv_cache: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
+               topk: torch.Tensor, metadata: Any, indexer: Any, scale: float) -> torch.Tensor:
+        """Attention output ``[T, N, latent]``; ``indexer``: the layer's ``IndexerInputs``."""
         ...
 
 

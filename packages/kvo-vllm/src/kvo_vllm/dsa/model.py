@@ -28,7 +28,8 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, Indexe
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_vllm.dsa.backend import KvoSparseMLAImpl
-from kvo_vllm.dsa.config import sparse_config_for
+from kvo_vllm.dsa.config import decode_query_rows, sparse_config_for, uses_fused_ops
+from kvo_vllm.dsa.indexer import KvoSparseAttnIndexer
 from kvo_vllm.dsa.indexer_cache import IndexerKeyLayout, KvoIndexerCache
 from kvo_vllm.dsa.main_kv import LayerInfo
 
@@ -54,14 +55,24 @@ class KvoIndexer(Indexer):
         return self.indexer_op(hidden_states, query, key, weights)
 
 
-def use_kvo_indexers(model: torch.nn.Module, layout: IndexerKeyLayout) -> int:
-    """Swap every stock ``Indexer`` of ``model`` (and its key cache) to kvo's; returns how many."""
+def use_kvo_indexers(model: torch.nn.Module, layout: IndexerKeyLayout,
+                     fused_decode_rows: int = 0) -> int:
+    """Swap every stock ``Indexer`` of ``model`` (and its key cache) to kvo's; returns how many.
+
+    ``fused_decode_rows`` > 0: decode rows up to that many query rows are selected by the
+    fused manage op (``kernel_backend="fused"``), see ``KvoSparseAttnIndexer``.
+    """
     swapped = 0
     for module in model.modules():
         if type(module) is Indexer:
             module.__class__ = KvoIndexer
             module.k_cache.__class__ = KvoIndexerCache
             module.k_cache.layout = layout
+            op = module.indexer_op
+            if not isinstance(op, KvoSparseAttnIndexer):
+                raise RuntimeError(f"{module.k_cache.prefix}: the indexer op is "
+                                   f"{type(op).__name__}, not kvo's (plugin not registered?)")
+            op.fused_decode_rows = fused_decode_rows
             swapped += 1
     return swapped
 
@@ -94,7 +105,9 @@ def serve_with_kvo(model: torch.nn.Module, vllm_config: VllmConfig) -> None:
     """kvo's indexers, native rotary and main-KV strategies on a built DeepSeek-V3.2 model."""
     config = sparse_config_for(vllm_config)
     head_dim = int(vllm_config.model_config.hf_text_config.index_head_dim)
-    if use_kvo_indexers(model, IndexerKeyLayout(head_dim, config.indexer_kv_dtype)) == 0:
+    fused_rows = decode_query_rows(config) if uses_fused_ops(config) else 0
+    if use_kvo_indexers(model, IndexerKeyLayout(head_dim, config.indexer_kv_dtype),
+                        fused_rows) == 0:
         raise RuntimeError("kvo: the model has no lightning indexer to serve on CPU")
     use_native_rotary(model)
     bind_sparse_layers(model, config, vllm_config)

@@ -38,10 +38,9 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.backend import KvoSparseMLABackend
+from kvo_vllm.dsa.config import check_kernel_backend
 
 OFFLOAD_BACKEND = "kvo_vllm.dsa.offload_backend.KvoOffloadSparseMLABackend"
-OFFLOAD_KERNEL_BACKENDS = ("auto", "reference")
-"""What the offload mode runs here: kvo-kernels' reference primitives and ``kvo::sparse_copy``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,13 +119,15 @@ def offloaded_layers(vllm_config: Any) -> int:
 
 def apply_offload_cache_config(vllm_config: Any, config: SparseDecodeOffloadConfig) -> int:
     """Check the offload settings and set vLLM's block count to the pool's; returns it."""
-    if config.kernel_backend not in OFFLOAD_KERNEL_BACKENDS:
-        raise ConfigError(
-            f"kernel_backend {config.kernel_backend!r} cannot run in mode 'offload' on this "
-            f"device; available: {', '.join(OFFLOAD_KERNEL_BACKENDS)}")
+    check_kernel_backend(config)
     cache = vllm_config.cache_config
     text = vllm_config.model_config.hf_text_config
     block = int(cache.block_size)
+    if config.kernel_backend == "fused" and config.hot_capacity % block:
+        raise ConfigError(
+            f"hot_capacity={config.hot_capacity} must be a multiple of vLLM's block size "
+            f"({block}) with kernel_backend 'fused': the fused op pages the hot buffer in "
+            f"the pool's blocks")
     max_len = int(vllm_config.model_config.max_model_len)
     per_request = -(-max_len // block)
     if config.host_pool_bytes is None:

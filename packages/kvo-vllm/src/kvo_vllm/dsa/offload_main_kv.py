@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from kvo_vllm.dsa.config import decode_query_rows, uses_fused_ops
 from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
+from kvo_vllm.dsa.offload_fused import IndexerInputs
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.dsa.offload_stats import OffloadStats
 from kvo_vllm.sparse.layout import SparseModelLayout
@@ -67,11 +69,11 @@ class OffloadWorker:
             max_rows=int(vllm_config.scheduler_config.max_num_seqs),
             max_blocks_per_row=-(-int(vllm_config.model_config.max_model_len) // block_size),
             top_k=config.top_k, capacity=config.hot_capacity,
-            decode_query_rows=min(config.max_query_rows, config.hot_capacity // config.top_k),
+            decode_query_rows=decode_query_rows(config),
             pool_name=f"dsa-{os.getpid()}-{next(_pool_names)}",
             residency_backend=config.residency_backend,
-            copy_implementation=None if config.kernel_backend == "auto" else "reference",
-            device=placeholder.device, stats=self.stats)
+            copy_implementation="reference" if config.kernel_backend == "reference" else None,
+            device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config))
         return self.manager
 
     def matches(self, vllm_config: Any) -> bool:
@@ -142,3 +144,19 @@ class OffloadMainKV:
             rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
             valid = torch.cat([valid, valid.new_zeros(pad, valid.shape[1])])
         return SelectedRows(rows=rows, valid=valid)
+
+    def attend(self, kv_cache: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
+               topk: torch.Tensor, metadata: Any, indexer: IndexerInputs,
+               scale: float) -> torch.Tensor:
+        """``kernel_backend="fused"``: attention output ``[T, N, latent]`` of the step's tokens
+        (decode rows through the fused ops, see ``OffloadManager.attend``)."""
+        manager = self.worker.ensure_manager(self.layer, kv_cache)
+        requests = int(metadata.num_reqs)
+        tokens = int(metadata.query_start_loc[requests])
+        out = manager.attend(
+            self.index, query[:tokens], query_rope[:tokens], topk[:tokens],
+            metadata.query_start_loc[:requests + 1], metadata.seq_lens[:requests],
+            metadata.block_table[:requests], indexer, scale)
+        if tokens < query.shape[0]:  # padded tokens: no rows, zeros
+            out = torch.cat([out, out.new_zeros(query.shape[0] - tokens, *out.shape[1:])])
+        return out

@@ -126,7 +126,7 @@ class OffloadManager:
     def hot_buffer_bytes(self) -> int:
         """Device bytes of all layers' hot buffers."""
         fused = 0 if self.fused is None else self.fused.hot_buffer_bytes
-        return fused + sum(h.numel() * h.element_size() for h in self.hot)
+        return fused + int(sum(h.numel() * h.element_size() for h in self.hot))
 
     @property
     def pool_region(self) -> tuple[int, int]:

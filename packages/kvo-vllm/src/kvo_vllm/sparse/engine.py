@@ -119,6 +119,11 @@ class SparseDecodeOffload:
         if tp_size > 1 and tp_barrier is None:
             raise ConfigError("tp_size > 1 needs tp_barrier: ranks sharing a host pool must "
                               "synchronise between rank 0's writes and the other ranks' reads")
+        if config.kernel_backend == "fused":
+            raise ConfigError(
+                "kernel_backend 'fused' is not supported by this harness, which runs the "
+                "non-fused path (the fused ops serve vLLM through kvo_vllm.dsa's offload "
+                "mode); allowed here: auto, reference, triton")
         if config.indexer_kv_dtype != "bfloat16":
             raise ConfigError(
                 f"indexer_kv_dtype {config.indexer_kv_dtype!r} is not supported by the "
