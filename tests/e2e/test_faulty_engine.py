@@ -52,3 +52,26 @@ def test_faults_follow_the_control_file_and_touch_only_layer_reads(tmp_path: Pat
     control.write_text(json.dumps({"fail_reads": 2, "corrupt_reads": False, "extra": 1}))
     faulty.read("p", [base], [1], [BLOCK])  # a bad control file is ignored, faults kept
     assert fake.reads == 4
+
+
+class PartLayer(Layer):
+    def __init__(self, base: int, end: int, part: str) -> None:
+        super().__init__(base, end)
+        self.part = part
+
+
+def test_corruption_can_be_limited_to_one_part(tmp_path: Path) -> None:
+    memory = ctypes.create_string_buffer(2 * BLOCK)
+    base = ctypes.addressof(memory)
+    control = tmp_path / "faults.json"
+    control.write_text(json.dumps({"corrupt_reads": True, "corrupt_part": "idx"}))
+    faulty = wrap(FakeEngine(), [PartLayer(base, base + BLOCK, "kv"),
+                                 PartLayer(base + BLOCK, base + 2 * BLOCK, "idx")],
+                  control_file=str(control))
+    faulty.read("p", [base, base + BLOCK], [1, 2], [BLOCK, BLOCK])
+    assert memory.raw[:BLOCK] == bytes(BLOCK)
+    assert memory.raw[BLOCK:] == bytes([CORRUPT_BYTE]) * BLOCK
+    assert faulty.snapshot()["corrupted_bytes"] == BLOCK
+    control.write_text(json.dumps({"corrupt_reads": True, "corrupt_part": "scale"}))
+    faulty.read("p", [base], [1], [BLOCK])  # refused control file: the old faults stay
+    assert memory.raw[:BLOCK] == bytes(BLOCK)

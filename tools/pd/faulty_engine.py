@@ -6,10 +6,11 @@ A decode vLLM server started by the end-to-end tests or the soak gets (``cluster
                        "options": {"control_file": "/path/faults.json"}}
 
 with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there). The control file holds
-``{"corrupt_reads": bool, "fail_reads": int, "stall_reads_s": seconds}`` and is re-read
-whenever it changes, so a test can switch faults on and off in a running server: corrupt every
-pulled byte range after it arrived, fail the next N engine reads, or stall every read (a decode
-that is slow or stops answering).
+``{"corrupt_reads": bool, "corrupt_part": "kv" | "idx" | null, "fail_reads": int,
+"stall_reads_s": seconds}`` and is re-read whenever it changes, so a test can switch faults on
+and off in a running server: corrupt every pulled byte range after it arrived (only those that
+land in one part's caches, main KV ``kv`` or indexer ``idx``, when ``corrupt_part`` names it),
+fail the next N engine reads, or stall every read (a decode that is slow or stops answering).
 Only reads into the KV layers are touched, never the fence words a read checks afterwards.
 Production code never imports this module.
 """
@@ -40,6 +41,7 @@ CORRUPT_BYTE = 0x3F
 @attrs.frozen
 class Faults:
     corrupt_reads: bool = False
+    corrupt_part: str | None = None
     fail_reads: int = 0
     stall_reads_s: float = 0.0
 
@@ -47,18 +49,23 @@ class Faults:
     def from_value(cls, value: Any) -> Faults:
         if not isinstance(value, Mapping):
             raise ValueError(f"faults must be a mapping, got {value!r}")
-        unknown = sorted(set(value) - {"corrupt_reads", "fail_reads", "stall_reads_s"})
+        unknown = sorted(set(value) - {"corrupt_reads", "corrupt_part", "fail_reads",
+                                       "stall_reads_s"})
         if unknown:
             raise ValueError(f"unknown fault key(s) {unknown}")
         corrupt, fail = value.get("corrupt_reads", False), value.get("fail_reads", 0)
         stall = value.get("stall_reads_s", 0.0)
+        part = value.get("corrupt_part")
+        if part not in (None, "kv", "idx"):
+            raise ValueError(f"corrupt_part must be 'kv', 'idx' or null, got {part!r}")
         if not isinstance(corrupt, bool):
             raise ValueError(f"corrupt_reads must be true or false, got {corrupt!r}")
         if not isinstance(fail, int) or isinstance(fail, bool) or fail < 0:
             raise ValueError(f"fail_reads must be an integer >= 0, got {fail!r}")
         if not isinstance(stall, int | float) or isinstance(stall, bool) or not 0 <= stall <= 600:
             raise ValueError(f"stall_reads_s must be seconds in [0, 600], got {stall!r}")
-        return cls(corrupt_reads=corrupt, fail_reads=fail, stall_reads_s=float(stall))
+        return cls(corrupt_reads=corrupt, corrupt_part=part, fail_reads=fail,
+                   stall_reads_s=float(stall))
 
 
 class FaultyEngine:
@@ -66,8 +73,9 @@ class FaultyEngine:
 
     def __init__(self, engine: TransferEngine, layers: Sequence[Any], control_file: str) -> None:
         self._engine = engine
-        self._spans = sorted((layer.base, layer.end) for layer in layers)
-        self._starts = [start for start, _ in self._spans]
+        self._spans = sorted((layer.base, layer.end, getattr(layer, "part", "kv"))
+                             for layer in layers)
+        self._starts = [start for start, _, _ in self._spans]
         self._control_file = control_file
         self._stamp: tuple[int, int] | None = None
         self._faults = Faults()
@@ -107,18 +115,27 @@ class FaultyEngine:
                 raise TransferError("fault injection: this read was failed on purpose")
             stall = self._faults.stall_reads_s if data else 0.0
             corrupt = self._faults.corrupt_reads and data
+            part = self._faults.corrupt_part
         if stall > 0:
             time.sleep(stall)
         self._engine.read(peer, local_addrs, remote_addrs, lengths)
         if corrupt:
+            damaged = 0
             for address, length in zip(local_addrs, lengths, strict=True):
-                ctypes.memset(address, CORRUPT_BYTE, length)
+                if part is None or self._part_of(address) == part:
+                    ctypes.memset(address, CORRUPT_BYTE, length)
+                    damaged += length
             with self._lock:
-                self.corrupted_bytes += sum(lengths)
+                self.corrupted_bytes += damaged
 
     def _in_layers(self, address: int) -> bool:
+        return self._part_of(address) is not None
+
+    def _part_of(self, address: int) -> str | None:
         i = bisect.bisect_right(self._starts, address) - 1
-        return i >= 0 and address < self._spans[i][1]
+        if i < 0 or address >= self._spans[i][1]:
+            return None
+        return self._spans[i][2]
 
     def _reload(self) -> None:
         """Apply the control file when it changed (lock held)."""

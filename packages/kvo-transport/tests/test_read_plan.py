@@ -118,6 +118,24 @@ def test_handshake_mismatches_are_rejected_with_a_reason(m, layout, kwargs, reas
     assert got is not None and reason in got
 
 
+def test_a_labelled_group_names_what_each_side_holds() -> None:
+    """The decode may label its blocks (kvo-vllm: the indexer key layout, bf16 or C8)."""
+    def label(nbytes: int) -> str:
+        return {16: "bf16 keys", 8: "C8 keys"}.get(nbytes, "unknown")
+
+    dest = dest_layer()
+    labelled = DestinationLayer(
+        name=dest.name, main=dest.main, block_size_scale=1,
+        indexer=DestinationGroup((DST_BASE + 200_000,), INDEXER, 40, label=label))
+    c8 = LayerMeta(index=0, name="layers.0", main=source_layer().main,
+                   indexer=TensorGroup((SRC_BASE + 200_000,), (8,), 16))
+    got = check(meta((c8,)), DecodeLayout([labelled]))
+    assert got is not None and got.endswith(
+        "indexer tensor 0: prefill block of 8 bytes does not match 1 decode block(s) of 16 "
+        "bytes (prefill: C8 keys; decode: bf16 keys)")
+    assert check(meta((source_layer(),)), DecodeLayout([labelled])) is None
+
+
 # -- READY validation --------------------------------------------------------------------------
 
 def request(rid: str = "r", start: int = 0, main: tuple[int, ...] = (0, 1),

@@ -44,6 +44,9 @@ class DestinationGroup:
     base_addrs: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
     block_bytes: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
     num_blocks: int = attrs.field(converter=operator.index)
+    label: Callable[[int], str] | None = attrs.field(default=None, eq=False, kw_only=True)
+    """Optional: names what a block of this many bytes holds, for a mismatch's reason (e.g.
+    the indexer key layout, bf16 or C8, that a block size implies)."""
 
     def __attrs_post_init__(self) -> None:
         if len(self.base_addrs) != len(self.block_bytes):
@@ -202,8 +205,10 @@ def _check_layer(source: LayerMeta, dest: DestinationLayer) -> str | None:
                     f"{dst.tensor_count}")
         for t, (sb, db) in enumerate(zip(src.block_bytes, dst.block_bytes, strict=True)):
             if sb != db * scale:
+                named = ("" if dst.label is None else
+                         f" (prefill: {dst.label(sb // scale)}; decode: {dst.label(db)})")
                 return (f"{what} tensor {t}: prefill block of {sb} bytes does not match "
-                        f"{scale} decode block(s) of {db} bytes")
+                        f"{scale} decode block(s) of {db} bytes{named}")
     return None
 
 

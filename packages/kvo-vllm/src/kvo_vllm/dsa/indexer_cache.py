@@ -109,6 +109,16 @@ def fused_indexer_inputs(layout: IndexerKeyLayout, cache: torch.Tensor, query: t
                          key_cache=keys, key_scale=key_scale, quantised=True)
 
 
+def describe_indexer_block(block_bytes: int, block_size: int, head_dim: int) -> str:
+    """Which indexer key layout a block of ``block_bytes`` implies, for error messages."""
+    row, rest = divmod(block_bytes, block_size)
+    for dtype, name in (("bfloat16", "bfloat16 keys"),
+                        ("int8", "C8: int8 keys with their fp16 scale")):
+        if not rest and row == IndexerKeyLayout(head_dim, dtype).row_bytes:
+            return f"{name}, indexer_kv_dtype={dtype!r}, {row} bytes per token"
+    return f"an unknown indexer layout of {block_bytes} bytes per {block_size}-token block"
+
+
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``cache[slot // block, slot % block] = row`` for every slot >= 0 (cache [B, bs, W])."""
     block_size = cache.shape[1]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.config import decode_query_rows, uses_fused_ops
 from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
 from kvo_vllm.dsa.offload_fused import IndexerInputs
@@ -40,6 +42,7 @@ class OffloadWorker:
     def __init__(self, vllm_config: Any) -> None:
         self._config_ref = weakref.ref(vllm_config)
         self.layer_names: list[str] = []
+        self._layers: list[LayerInfo] = []
         self.manager: OffloadManager | None = None
         self.stats = OffloadStats(
             log_every=_env_int(LOG_EVERY_ENV, 100),
@@ -49,7 +52,22 @@ class OffloadWorker:
         if self.manager is not None:
             raise RuntimeError(f"{layer.layer_name}: registered after the host pool was built")
         self.layer_names.append(layer.layer_name)
+        self._layers.append(layer)
         return len(self.layer_names) - 1
+
+    def manager_for(self, kv_caches: Mapping[str, torch.Tensor]) -> OffloadManager:
+        """The manager, built now from vLLM's bound caches if no write built it yet.
+
+        A P/D decode's connector needs the host pool before the first forward: it registers the
+        pool with its transfer engine and pulls prompts into it.
+        """
+        if not self._layers:
+            raise RuntimeError("no offloaded layer is registered with this worker")
+        first = self._layers[0]
+        if first.layer_name not in kv_caches:
+            raise ConfigError(f"vLLM bound no KV cache to the offloaded layer "
+                              f"{first.layer_name!r}")
+        return self.ensure_manager(first, kv_caches[first.layer_name])
 
     def ensure_manager(self, layer: LayerInfo, kv_cache: torch.Tensor) -> OffloadManager:
         if self.manager is not None:
@@ -110,6 +128,32 @@ def _forget(key: int, worker: OffloadWorker) -> None:
     if _workers.get(key) is worker:
         del _workers[key]
     worker.close()
+
+
+def offload_worker_for(vllm_config: Any, layer_names: Iterable[str]) -> OffloadWorker | None:
+    """The offload worker serving ``vllm_config``'s engine, or None when its layers' main KV
+    is not offloaded. ``layer_names`` (the engine's main-KV caches) must then all be offloaded.
+
+    Found by the engine's config object; failing that (a caller holding a copy of the config),
+    by the layers it registered.
+    """
+    names = set(layer_names)
+    worker = _workers.get(id(vllm_config))
+    if worker is None or not worker.matches(vllm_config):
+        found = [w for w in _workers.values() if names & set(w.layer_names)]
+        if len(found) > 1:
+            raise ConfigError(f"{len(found)} offload workers in this process serve layers "
+                              f"named like {sorted(names)[:2]}; cannot tell which is this "
+                              f"engine's")
+        worker = found[0] if found else None
+    if worker is None:
+        return None
+    missing = sorted(names - set(worker.layer_names))
+    if missing:
+        raise ConfigError(f"layers {missing} keep their main KV in vLLM's cache while "
+                          f"{len(worker.layer_names)} others are offloaded to the host pool; "
+                          f"RemoteD2H needs one main-KV home for every layer")
+    return worker
 
 
 def offload_workers() -> list[OffloadWorker]:

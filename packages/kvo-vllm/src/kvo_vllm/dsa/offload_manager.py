@@ -34,6 +34,7 @@ rope apart, and ``gather`` is not used.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -151,6 +152,30 @@ class OffloadManager:
             return self.pool_layer(layer)[rows]
         latent, rope = (part.flatten(0, 1) for part in self.pool_parts(layer))
         return torch.cat([latent[rows], rope[rows]], dim=-1)
+
+
+    def pool_layer_base(self, layer: int) -> int:
+        """Address of layer ``layer``'s first pool row (block ``b`` starts
+        ``b * block_size * row_bytes`` later). Not in fused mode: its pool keeps latent and
+        rope apart, so one run of a block's rows is not where a pull could write it."""
+        if self.fused is not None:
+            raise ConfigError("a P/D pull into the host pool needs kernel_backend 'auto' or "
+                              "'reference' on decode: with 'fused' the pool keeps latent and "
+                              "rope apart (not supported by remote D2H yet)")
+        return int(self.pool_layer(layer).data_ptr())
+
+    def note_blocks_written(self, block_ids: Iterable[int]) -> None:
+        """Whole blocks of every layer were written behind ``write``'s back (a P/D decode
+        pulled a prompt into the pool): renew their versions, so no batch row keeps hot slots
+        copied from the blocks' previous contents (``offload_identity``)."""
+        blocks = torch.tensor([b for b in block_ids if b >= 0], dtype=_I64)
+        if not blocks.numel():
+            return
+        if int(blocks.max()) >= self.num_blocks:
+            raise ValueError(f"block {int(blocks.max())} is outside the pool's "
+                             f"{self.num_blocks} blocks")
+        for identity in self.identity:
+            identity.note_writes(blocks * self.block_size)
 
     # -- the per-call pipeline ---------------------------------------------------------------
 

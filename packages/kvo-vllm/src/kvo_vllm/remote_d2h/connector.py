@@ -8,6 +8,12 @@ Load it in vLLM with::
                      kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"kv_port": 20100, ...})
 
+Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
+layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
+kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
+(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 (other TP sizes are
+refused at start-up until tested).
+
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
 its ``kv_transfer_params`` (``kvo_vllm.remote_d2h.params``), which the kvo proxy sets:
@@ -28,6 +34,7 @@ vLLM hooks, per side:
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +62,7 @@ from kvo_vllm.metrics import (
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata
 from kvo_vllm.remote_d2h.options import RemoteD2HOptions
+from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_destination
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
 from kvo_vllm.remote_d2h.stats_file import StatsFile
@@ -130,7 +138,9 @@ class RemoteD2HConnector(KVConnectorBase_V1):
         if self.sender is not None:
             self.sender.register_kv_caches(kv_caches, self._slot_key_of)
         if self.puller is not None:
-            self.puller.register_kv_caches(kv_caches)
+            self.puller.register_kv_caches(
+                kv_caches, functools.partial(pool_destination, self._vllm_config),
+                indexer_block_label(self._vllm_config))
         self._stats.maybe_write(force=True)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -2,7 +2,11 @@
 
 The KV cache itself is the destination (dense models): each layer tensor is registered with the
 transfer engine and described to kvo_transport's DecodeReceiver, which validates every READY
-and reads through the engine. Per request:
+and reads through the engine. A DSA model's layer has two parts: its main KV lands in vLLM's
+MLA cache, or, with kvo's offload backend, in the rows of the host pool that the request's
+vLLM blocks address (``pool_destination``); its indexer keys land in vLLM's device indexer
+cache. The handshake checks both parts (a bf16 vs C8 indexer is named as such), and a READY
+moves both or fails the layer. Per request:
 
 1. the scheduler's metadata names the request's blocks; they become the destination of its
    transfer id and decode advertises them to the proxy (``DecodeReady``);
@@ -22,12 +26,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
 
+from kvo_core.buffer_regions import INDEXER_PART, MAIN_PART
 from kvo_core.config import RemoteD2HConfig
+from kvo_core.errors import ConfigError
 from kvo_core.tp import control_port
 from kvo_transport.control import (
     DecodeLayout,
@@ -40,15 +46,24 @@ from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
 from kvo_transport.samehost_engine import SameHostEngine
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
-from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches, merged_regions, transfer_engine_for
+from kvo_vllm.remote_d2h.kv_caches import (
+    KVLayout,
+    block_bytes,
+    describe_kv_caches,
+    merged_regions,
+    transfer_engine_for,
+)
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
+from kvo_vllm.remote_d2h.pool_destination import PoolDestination
 
 logger = logging.getLogger(__name__)
 
 REPORTED_MEMORY = 65536
 """How many reported request ids the worker remembers (an abort that crossed the report)."""
+PoolFinder = Callable[[Mapping[str, torch.Tensor], KVLayout], "PoolDestination | None"]
+"""(vLLM's caches, their layout) -> the host pool main KV lands in, or None (vLLM's cache)."""
 
 
 @attrs.define
@@ -103,6 +118,8 @@ class DecodePuller:
         self._raw: TransferEngine | None = None
         self._receiver: DecodeReceiver | None = None
         self._registered: list[int] = []
+        self._pool: PoolDestination | None = None
+        self._has_indexer = False
 
     @property
     def endpoint(self) -> str:
@@ -118,20 +135,51 @@ class DecodePuller:
 
     # -- set-up -------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        layers, block_bytes = describe_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           find_pool: PoolFinder | None = None,
+                           indexer_label: Callable[[int], str] | None = None) -> None:
+        """Describe and register the destinations: each layer's main KV (vLLM's cache, or the
+        DSA offload backend's host pool when ``find_pool`` finds one) and indexer cache."""
+        layout = describe_kv_caches(kv_caches)
+        pool = None if find_pool is None else find_pool(kv_caches, layout)
+        if layout.has_indexer and self.tp_size > 1:
+            raise ConfigError(
+                f"RemoteD2H receives DSA layouts (main KV + indexer caches) on decode TP 1 only "
+                f"so far; this decode runs TP {self.tp_size}")
+        self._pool = pool
+        self._has_indexer = layout.has_indexer
         config = self.config
-        raw = transfer_engine_for(config, layers, role="Decode", tp_rank=self.tp_rank)
+        tensors = [t for layer in layout.layers for _, t in layer.tensors()]
+        raw = transfer_engine_for(config, tensors, role="Decode", tp_rank=self.tp_rank)
         regions = []
         dest_layers = []
-        for name, index, tensor in layers:
-            num_blocks = tensor.shape[0]
-            base = tensor.data_ptr()
-            regions.append(LayerRegion(index=index, base=base, block_bytes=block_bytes,
-                                       num_blocks=num_blocks))
-            dest_layers.append(DestinationLayer(name=name, main=DestinationGroup(
-                base_addrs=(base,), block_bytes=(block_bytes,), num_blocks=num_blocks)))
-        for start, end in merged_regions((r.base, r.end) for r in regions):
+        spans = layout.spans() if pool is None else [
+            (int(t.data_ptr()), int(t.data_ptr()) + t.shape[0] * block_bytes(t))
+            for layer in layout.layers if (t := layer.indexer) is not None]
+        if pool is not None:
+            spans.append((pool.region[0], pool.region[0] + pool.region[1]))
+        for layer in layout.layers:
+            num_blocks = layer.main.shape[0]
+            if pool is None:
+                main_base, main_bytes = layer.main.data_ptr(), layout.main_block_bytes
+            else:
+                main_base, main_bytes = pool.bases[layer.name], pool.block_bytes
+            regions.append(LayerRegion(index=layer.index, base=main_base, block_bytes=main_bytes,
+                                       num_blocks=num_blocks, part=MAIN_PART))
+            indexer = None
+            if layer.indexer is not None:
+                indexer_bytes = block_bytes(layer.indexer)
+                regions.append(LayerRegion(index=layer.index, base=layer.indexer.data_ptr(),
+                                           block_bytes=indexer_bytes, num_blocks=num_blocks,
+                                           part=INDEXER_PART))
+                indexer = DestinationGroup(base_addrs=(layer.indexer.data_ptr(),),
+                                           block_bytes=(indexer_bytes,), num_blocks=num_blocks,
+                                           label=indexer_label)
+            dest_layers.append(DestinationLayer(
+                name=layer.name, indexer=indexer,
+                main=DestinationGroup(base_addrs=(main_base,), block_bytes=(main_bytes,),
+                                      num_blocks=num_blocks)))
+        for start, end in merged_regions(spans):
             raw.register(start, end - start)
             self._registered.append(start)
         self._raw = raw
@@ -143,9 +191,11 @@ class DecodePuller:
             port=self.port, read_retries=config.read_retries,
             retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
             control_secret=config.control_secret).start()
-        logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks x %d bytes, "
-                    "control endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layers),
-                    regions[0].num_blocks, block_bytes, self._receiver.endpoint,
+        logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
+                    "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
+                    layout.layers[0].main.shape[0],
+                    "main KV into the host pool" if pool is not None else "main KV",
+                    " + indexer" if layout.has_indexer else "", self._receiver.endpoint,
                     raw.session_id)
 
     # -- per step -----------------------------------------------------------------------
@@ -159,7 +209,7 @@ class DecodePuller:
     def _register(self, target: RecvTarget) -> None:
         destination = RequestDestination(main_block_ids=target.block_ids)
         if self._receiver is not None:
-            self._receiver.restore(target.block_ids)
+            self._receiver.restore(*self._blocks(target))
         with self._lock:
             self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
                                                     registered_at=time.monotonic())
@@ -168,6 +218,11 @@ class DecodePuller:
                             decode_tp=self.tp_size, endpoint=self.endpoint,
                             skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids))
         self._notifier.post(target.notify_url, ready.to_json())
+
+    def _blocks(self, target: RecvTarget) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(main, indexer) destination blocks of a request: the same vLLM block ids (one
+        block table), the indexer's only where the layers have an indexer cache."""
+        return target.block_ids, target.block_ids if self._has_indexer else ()
 
     def _resolve(self, transfer_id: str) -> RequestDestination | None:
         """The receiver's resolver (its thread): a live destination, or None."""
@@ -184,7 +239,7 @@ class DecodePuller:
         with self._lock:
             recv = self._recvs.get(transfer_id)
         if recv is not None and self._receiver is not None:
-            self._receiver.revoke(recv.target.block_ids)
+            self._receiver.revoke(*self._blocks(recv.target))
 
     # -- results ------------------------------------------------------------------------
 
@@ -216,16 +271,24 @@ class DecodePuller:
             return  # revoked or expired earlier; already answered
         target = recv.target
         if failure is None:
+            self._note_pulled(target)
             with self._lock:
                 self.stats.received += 1
                 self._finished.add(target.request_id)
             return
         invalid: set[int] = set()
         if self._receiver is not None:
-            self._receiver.revoke(target.block_ids)
-            invalid = set(self._receiver.invalid_blocks(transfer_id).main)
+            self._receiver.revoke(*self._blocks(target))
+            found = self._receiver.invalid_blocks(transfer_id)
+            invalid = set(found.main) | set(found.indexer)  # one block table for both
             self._receiver.forget(transfer_id)
         self._fail(target, invalid, failure)
+
+    def _note_pulled(self, target: RecvTarget) -> None:
+        """Tell the host pool's owner which blocks a pull wrote (step thread: before vLLM may
+        schedule the request, and never while a forward reads the residency state)."""
+        if self._pool is not None:
+            self._pool.note_pulled(target.block_ids)
 
     def _fail(self, target: RecvTarget, invalid: set[int], reason: str) -> None:
         if not invalid:  # nothing specific: every block that was to be pulled is suspect
@@ -245,8 +308,10 @@ class DecodePuller:
         ready: list[_Returning] = []
         still: list[_Returning] = []
         for item in waiting:
-            settled = receiver is None or receiver.settled(item.target.block_ids)
+            settled = receiver is None or receiver.settled(*self._blocks(item.target))
             (ready if settled else still).append(item)
+        for item in ready:  # settled: no late slice can land after this
+            self._note_pulled(item.target)
         with self._lock:
             self._returning.extend(still)
             for item in ready:
@@ -270,7 +335,7 @@ class DecodePuller:
                 del self._recvs[transfer_id]
         for transfer_id, recv, limit in expired:
             if self._receiver is not None:
-                self._receiver.revoke(recv.target.block_ids)
+                self._receiver.revoke(*self._blocks(recv.target))
                 self._receiver.forget(transfer_id)
             with self._lock:
                 self.stats.deadline_failures += 1
@@ -298,7 +363,7 @@ class DecodePuller:
                 return
         for transfer_id, recv in found:
             if self._receiver is not None:
-                self._receiver.revoke(recv.target.block_ids)
+                self._receiver.revoke(*self._blocks(recv.target))
                 self._receiver.forget(transfer_id)
         with self._lock:
             self.stats.revoked += 1
@@ -312,8 +377,11 @@ class DecodePuller:
         engine = self._engine
         per_layer = {} if engine is None else {
             str(index): attrs.asdict(stats) for index, stats in sorted(engine.per_layer.items())}
+        per_part = {} if engine is None else {
+            part: attrs.asdict(stats) for part, stats in sorted(engine.per_part.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
-                **attrs.asdict(self.stats), "per_layer": per_layer,
+                **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
+                "main_into_host_pool": self._pool is not None,
                 "refused_reads": (0 if self._receiver is None
                                   else self._receiver.destinations.refused_reads),
                 "engine_wrapper": _wrapper_snapshot(engine),

@@ -1,6 +1,7 @@
-"""Decode's transfer engine, wrapped to count bytes and seconds per layer.
+"""Decode's transfer engine, wrapped to count bytes and seconds per layer, bytes per part.
 
-The counts are the demo's "per-layer transfer time". Revocation lives in the transport
+The counts are the demo's "per-layer transfer time" and "bytes pulled per part" (main KV
+``kv``, indexer ``idx``: kvo_core.buffer_regions' part names). Revocation lives in the transport
 (kvo_transport.destinations, owned by the DecodeReceiver): no lock is held across a read here,
 so nothing waits behind a stalled transfer. An operator-chosen ``engine_wrapper`` (options.py)
 sits between this and the real engine; kvo ships none (the tests bring their fault injection).
@@ -15,18 +16,20 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from kvo_core.buffer_regions import MAIN_PART
 from kvo_transport.engine import TransferEngine
 from kvo_transport.errors import TransferError
 
 
 @attrs.frozen
 class LayerRegion:
-    """Where one destination layer lives, to map a local address to (layer, block)."""
+    """Where one destination cache lives, to map a local address to (layer, part, block)."""
 
     index: int
     base: int
     block_bytes: int
     num_blocks: int
+    part: str = MAIN_PART
 
     @property
     def end(self) -> int:
@@ -44,6 +47,12 @@ class LayerTransferStats:
     seconds: float = 0.0
 
 
+@attrs.define
+class PartTransferStats:
+    bytes: int = 0
+    descriptors: int = 0
+
+
 class GuardedEngine:
     """A TransferEngine for the decode receiver that counts each layer's reads."""
 
@@ -53,6 +62,7 @@ class GuardedEngine:
         self._layers = sorted(layers, key=lambda layer: layer.base)
         self._bases = [layer.base for layer in self._layers]
         self.per_layer: dict[int, LayerTransferStats] = {}
+        self.per_part: dict[str, PartTransferStats] = {}
 
     @property
     def inner(self) -> TransferEngine:
@@ -110,3 +120,9 @@ class GuardedEngine:
         stats.reads += 1
         stats.bytes += sum(lengths)
         stats.seconds += seconds
+        for address, length in zip(addresses, lengths, strict=True):
+            region = self._layer_of(address)
+            if region is not None:
+                part = self.per_part.setdefault(region.part, PartTransferStats())
+                part.bytes += length
+                part.descriptors += 1

@@ -1,10 +1,12 @@
 """Prefill half of RemoteD2H's worker: expose the layer buffers, publish READY per layer.
 
-At start-up every layer's KV tensor is registered with the transfer engine and described in
-MF_META (kvo_transport's ``PrefillPublisher`` handshakes it with each decode rank; aliased
-buffers simply repeat a base address). During a step, right after a layer's attention wrote
-its cache, the step's chunks of that layer are published to the decode ranks; the answers
-close the layer's part of the slot gate (buffer reuse) and, after a request's last layer, its
+At start-up every layer's KV tensor (a DSA layer: its MLA cache and its indexer key cache) is
+registered with the transfer engine and described in MF_META (kvo_transport's
+``PrefillPublisher`` handshakes it with each decode rank; aliased buffers simply repeat a base
+address; the indexer is the layer's ``indexer`` group and each READY names its blocks too).
+During a step, right after a layer's attention wrote its cache (the indexer wrote its keys
+before), the step's chunks of that layer are published to the decode ranks; the answers close
+the layer's part of the slot gate (buffer reuse) and, after a request's last layer, its
 completion (its blocks may be freed).
 
 Fences (kvo_transport.fence): the sender's epoch words are registered with its engine and
@@ -29,6 +31,7 @@ import attrs
 import torch
 
 from kvo_core.config import RemoteD2HConfig
+from kvo_core.errors import ConfigError
 from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
@@ -36,7 +39,12 @@ from kvo_transport.engine import TransferEngine
 from kvo_transport.fence import FenceWords
 from kvo_transport.frame_auth import control_key
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
-from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches, merged_regions, transfer_engine_for
+from kvo_vllm.remote_d2h.kv_caches import (
+    block_bytes,
+    describe_kv_caches,
+    merged_regions,
+    transfer_engine_for,
+)
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata, SendChunk
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import PrefillFailed
@@ -87,6 +95,7 @@ class PrefillSender:
         self._index_of: dict[str, int] = {}
         self._slot_keys: dict[str, SlotKey] = {}
         self._block_bytes = 0
+        self._indexer_block_bytes = 0
         self._bases: dict[int, int] = {}
         self._publishers: dict[int, PrefillPublisher] = {}
         self._publishers_lock = threading.Lock()
@@ -107,19 +116,29 @@ class PrefillSender:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
                            slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
-        layers, block_bytes = describe_kv_caches(kv_caches)
-        engine = transfer_engine_for(self.config, layers, role="Prefill", tp_rank=self.tp_rank)
+        layout = describe_kv_caches(kv_caches)
+        if layout.has_indexer and self.tp_size > 1:
+            raise ConfigError(
+                f"RemoteD2H hands DSA layouts (main KV + indexer caches) over from prefill TP 1 "
+                f"only so far; this prefill runs TP {self.tp_size} (the indexer split between "
+                f"contribution members is not tested through vLLM yet)")
+        engine = transfer_engine_for(self.config, [t for layer in layout.layers
+                                                   for _, t in layer.tensors()],
+                                     role="Prefill", tp_rank=self.tp_rank)
         metas = []
-        spans = []
-        for name, index, tensor in layers:
-            base = tensor.data_ptr()
-            num_blocks = tensor.shape[0]
-            metas.append(LayerMeta(index=index, name=name, main=TensorGroup(
-                base_addrs=(base,), block_bytes=(block_bytes,), num_blocks=num_blocks)))
-            spans.append((base, base + num_blocks * block_bytes))
-            self._index_of[name] = index
-            self._bases[index] = base
-            self._slot_keys[name] = slot_key_of(name) if slot_key_of else (base,)
+        for layer in layout.layers:
+            num_blocks = layer.main.shape[0]
+            indexer = None if layer.indexer is None else TensorGroup(
+                base_addrs=(layer.indexer.data_ptr(),),
+                block_bytes=(block_bytes(layer.indexer),), num_blocks=num_blocks)
+            metas.append(LayerMeta(index=layer.index, name=layer.name, main=TensorGroup(
+                base_addrs=(layer.main.data_ptr(),), block_bytes=(layout.main_block_bytes,),
+                num_blocks=num_blocks), indexer=indexer))
+            self._index_of[layer.name] = layer.index
+            self._bases[layer.index] = layer.main.data_ptr()
+            self._slot_keys[layer.name] = (slot_key_of(layer.name) if slot_key_of
+                                           else (layer.main.data_ptr(),))
+        spans = layout.spans()
         for start, end in merged_regions(spans):
             engine.register(start, end - start)
         self._engine = engine
@@ -127,9 +146,11 @@ class PrefillSender:
         if self._joined is not None:  # a failed round advances the slot's word before reuse
             self._joined.attach_fence(self._fences)
         self._layers = tuple(metas)
-        self._block_bytes = block_bytes
-        logger.info("kvo remote_d2h prefill rank %d/%d: %d layers exposed in %d region(s), "
+        self._block_bytes = layout.main_block_bytes
+        self._indexer_block_bytes = layout.indexer_block_bytes or 0
+        logger.info("kvo remote_d2h prefill rank %d/%d: %d layers (%s) exposed in %d region(s), "
                     "engine %s", self.tp_rank, self.tp_size, len(metas),
+                    "main KV + indexer" if layout.has_indexer else "main KV",
                     len(merged_regions(spans)), engine.session_id)
 
     def _publisher(self, decode_tp: int) -> PrefillPublisher:
@@ -259,11 +280,16 @@ class PrefillSender:
         publisher = self._publisher(decode_tp)
         by_endpoint: dict[str, list[ReadyRequest]] = {}
         blocks = 0
+        with_indexer = self._layers[index].indexer is not None
+        published = 0
         for chunk in chunks:
             ready = publisher.ready_request(chunk.transfer_id, chunk.start_block,
-                                            chunk.block_ids)
+                                            chunk.block_ids,
+                                            chunk.block_ids if with_indexer else ())
             by_endpoint.setdefault(self._endpoint(chunk), []).append(ready)
             blocks += len(chunk.block_ids)
+            published += (len(ready.main_block_ids) * self._block_bytes
+                          + len(ready.indexer_block_ids) * self._indexer_block_bytes)
         last = [c.transfer_id for c in chunks if c.last] if last_layer else []
         publisher.publish_layer(index, key, by_endpoint, last_layer_request_ids=last)
         now = time.monotonic()
@@ -272,7 +298,7 @@ class PrefillSender:
                 self._sends[chunk.transfer_id].published_at = now
             self.stats.published_layers += 1
             self.stats.published_blocks += blocks
-            self.stats.published_bytes += blocks * self._block_bytes
+            self.stats.published_bytes += published
 
     # -- completion ---------------------------------------------------------------------
 

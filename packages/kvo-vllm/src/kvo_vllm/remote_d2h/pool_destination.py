@@ -1,0 +1,74 @@
+"""Decode's main-KV destination when kvo's DSA offload backend keeps main KV in a host pool.
+
+With ``mode="offload"`` (:mod:`kvo_vllm.dsa.offload_backend`) vLLM's cache of an MLA layer is a
+one-value-per-token placeholder and the rows live in the offload worker's host pool, one region
+per layer laid out by vLLM slot id (``block * block_size + offset``). A P/D decode pulls the
+prompt's main KV straight into those pool rows (the blocks vLLM allocated to the request) and
+the indexer keys into vLLM's device indexer cache. Pulled blocks are reported to the offload
+manager (``note_pulled``), so residency never serves hot rows copied from a block's previous
+owner (:mod:`kvo_vllm.dsa.offload_identity`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from kvo_core.errors import ConfigError
+from kvo_vllm.remote_d2h.kv_caches import KVLayout
+
+
+@attrs.frozen(eq=False)
+class PoolDestination:
+    """Where each layer's main KV lands in the host pool, and who hears about pulled blocks."""
+
+    region: tuple[int, int]
+    """(address, bytes) of the whole pool, registered with the transfer engine."""
+    bases: Mapping[str, int]
+    """Main cache name -> address of the layer's pool row 0."""
+    block_bytes: int
+    num_blocks: int
+    note_pulled: Callable[[Iterable[int]], None]
+    """Block ids whose rows (every layer) were just written by a pull."""
+
+
+def pool_destination(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor],
+                     layout: KVLayout) -> PoolDestination | None:
+    """The host pool of this engine's offload worker, or None when main KV is in vLLM's cache."""
+    if not layout.has_indexer:
+        return None  # a dense model: never offloaded by the DSA backend
+    from kvo_vllm.dsa.offload_main_kv import offload_worker_for
+
+    worker = offload_worker_for(vllm_config, [layer.name for layer in layout.layers])
+    if worker is None:
+        return None
+    manager = worker.manager_for(kv_caches)
+    num_blocks = int(layout.layers[0].main.shape[0])
+    if manager.num_blocks != num_blocks:
+        raise ConfigError(f"the offload host pool holds {manager.num_blocks} blocks per layer but "
+                          f"vLLM's caches have {num_blocks}; pulled blocks would miss the pool")
+    index_of = {name: i for i, name in enumerate(worker.layer_names)}
+    return PoolDestination(
+        region=manager.pool_region,
+        bases={layer.name: manager.pool_layer_base(index_of[layer.name])
+               for layer in layout.layers},
+        block_bytes=manager.block_size * manager.row_bytes, num_blocks=num_blocks,
+        note_pulled=manager.note_blocks_written)
+
+
+def indexer_block_label(vllm_config: Any) -> Callable[[int], str] | None:
+    """Names the indexer layout (bf16 or C8) a block size implies, for handshake mismatches;
+    None for models without a lightning indexer."""
+    text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    head_dim = getattr(text, "index_head_dim", None)
+    if not isinstance(head_dim, int):
+        return None
+    from kvo_vllm.dsa.indexer_cache import describe_indexer_block
+
+    return functools.partial(describe_indexer_block,
+                             block_size=int(vllm_config.cache_config.block_size),
+                             head_dim=head_dim)

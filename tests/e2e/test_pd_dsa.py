@@ -1,0 +1,204 @@
+"""End to end: P/D of a DeepSeek-V3.2-architecture (DSA) model, decode receiving into its host pool.
+
+Real vLLM API servers, real Mooncake and the kvo proxy, started once for the module: a prefill
+serving the tiny random ``DeepseekV32ForCausalLM`` (4 layers, index_topk 32) with kvo's sparse
+backend in resident mode and ``KvoMultiConnector`` (layers in 3 reused buffers, saved to the
+Mooncake store, published per layer), and a decode in kvo's offload mode (main KV in its host
+pool, the indexer cache on the device) with ``RemoteD2HConnector``: per layer it pulls the main
+KV into the pool rows of the request's vLLM blocks and the indexer keys into its device indexer
+cache. A test's fault injection sits on decode's transfer engine.
+
+Reference: the same decode server answering the prompt itself, without P/D (a request without
+``kv_transfer_params`` is not touched by the connector): the same kvo offload backend, same
+engine. vLLM-CPU disables prefix caching for MLA models, so there is no warm-cache answer; both
+engines instead step through prompts in chunks of one block (``--max-num-batched-tokens`` =
+block size) and requests go one at a time, so the P/D decode's tail (the prompt past the pulled
+full blocks) is computed in exactly the step the reference computes it in, over bit-identical
+KV: tokens AND logprobs must be equal.
+
+Mooncake listens on every interface, so this runs in a loopback-only network namespace
+(``nox -s e2e`` does that; by hand see ``test_pd.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
+           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
+           "nox -s e2e does this)")
+
+NUM_LAYERS = 4
+INDEX_TOPK = 32
+BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's step budget
+MAX_TOKENS = 6
+DEADLINE_S = 30.0
+ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
+TEXT = ("A lightning indexer picks the rows each query reads; decode keeps every row in host "
+        "memory and copies in only the misses. ")
+
+
+def _prompt(tag: str, length: int) -> str:
+    text = f"{tag}: " + TEXT * (length // len(TEXT) + 1)
+    return text[:length]
+
+
+@attrs.frozen
+class Deployment:
+    decode: str
+    proxy: str
+    workdir: Path
+
+    def stats(self, name: str) -> dict[str, Any]:
+        from kvo_vllm.remote_d2h.stats_file import read_stats
+
+        return read_stats(self.workdir / f"{name}-stats.json")
+
+    def set_faults(self, **faults: Any) -> None:
+        (self.workdir / "faults.json").write_text(json.dumps(faults))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from models.tiny_dsv32 import build_tiny_dsv32
+    from pd.cluster import (
+        Cluster,
+        decode_transfer_config,
+        faulty_decode,
+        free_port,
+        prefill_transfer_config,
+        start_master,
+        wait_healthy,
+    )
+
+    workdir = tmp_path_factory.mktemp("pd-dsa")
+    model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+    (workdir / "faults.json").write_text("{}")
+    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4"]
+    master = start_master()
+    try:
+        with Cluster(workdir / "logs") as cluster:
+            kv_port = free_port()
+            prefill = cluster.start_vllm(
+                "prefill", model, free_port(), prefill_transfer_config(
+                    master.address, kv_port, workdir / "prefill-stats.json",
+                    layer_deadline_s=DEADLINE_S, handshake_timeout_s=DEADLINE_S),
+                extra_args=steps, max_model_len=2048, block_size=BLOCK_SIZE)
+            decode = cluster.start_vllm(
+                "decode", model, free_port(), decode_transfer_config(
+                    kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
+                    engine_wrapper=faulty_decode(workdir / "faults.json"), read_retries=0),
+                extra_args=[*steps, "--additional-config",
+                            json.dumps({"kvo_sparse": {"mode": "offload"}})],
+                max_model_len=2048, block_size=BLOCK_SIZE)
+            proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
+            wait_healthy([prefill, decode, proxy], 900)
+            yield Deployment(decode=decode.url or "", proxy=proxy.url or "", workdir=workdir)
+    finally:
+        master.stop()
+
+
+def _complete(url: str, prompt: str, stream: bool = False) -> Any:
+    from pd.client import complete, completion_body
+
+    answer = complete(url, completion_body(prompt, MAX_TOKENS, stream=stream), timeout_s=300)
+    return answer
+
+
+def _decode_only(deployment: Deployment, prompt: str) -> Any:
+    """The decode engine's own answer (no P/D): the reference."""
+    answer = _complete(deployment.decode, prompt)
+    assert answer.ok, answer.error
+    return answer
+
+
+def _decode_stats(deployment: Deployment) -> dict[str, Any]:
+    return dict(deployment.stats("decode").get("decode", {}))
+
+
+def _settled_stats(deployment: Deployment, received: int) -> dict[str, Any]:
+    """Decode's stats once it counted ``received`` requests (the file lags a step)."""
+    limit = time.monotonic() + 30
+    while True:
+        stats = _decode_stats(deployment)
+        if stats.get("received", 0) + stats.get("failed", 0) >= received \
+                or time.monotonic() > limit:
+            return stats
+        time.sleep(0.25)
+
+
+def test_pd_answers_equal_decode_only_offload(deployment: Deployment) -> None:
+    # Mixed lengths: nothing to pull (one block), a one-token tail (64k + 1 tokens: decode's
+    # first step is a decode-sized query through residency), and longer prompts.
+    cases = [("alpha", 45, False), ("bravo", 257, True), ("charlie", 700, False),
+             ("delta", 1100, True)]
+    before = _decode_stats(deployment)
+    for tag, length, stream in cases:
+        prompt = _prompt(tag, length)
+        want = _decode_only(deployment, prompt)
+        got = _complete(deployment.proxy, prompt, stream=stream)
+        assert got.ok, (tag, got.error)
+        assert len(got.token_ids) == MAX_TOKENS
+        assert got.token_ids == want.token_ids, (tag, got.token_ids, want.token_ids)
+        assert got.logprobs == want.logprobs, (tag, got.logprobs, want.logprobs)
+    pulled_requests = len(cases) - 1  # "alpha" fits in its tail: computed on decode
+    after = _settled_stats(deployment, before.get("received", 0) + pulled_requests)
+    assert after["received"] - before.get("received", 0) == pulled_requests
+    assert after["failed"] == before.get("failed", 0) and after["refused_reads"] == 0
+    assert after["main_into_host_pool"] is True
+    # Bytes pulled per part: whole blocks of every layer, main KV rows into the host pool and
+    # the indexer rows (bf16 keys: 256 bytes per token) into the device indexer cache.
+    parts = after["per_part"]
+    main = parts["kv"]["bytes"] - before.get("per_part", {}).get("kv", {}).get("bytes", 0)
+    index = parts["idx"]["bytes"] - before.get("per_part", {}).get("idx", {}).get("bytes", 0)
+    block_main = BLOCK_SIZE * ROW_BYTES
+    block_index = BLOCK_SIZE * 256
+    assert main > 0 and main % (NUM_LAYERS * block_main) == 0
+    assert index * block_main == main * block_index
+    assert set(after["per_layer"]) == {str(i) for i in range(NUM_LAYERS)}
+
+
+def test_corrupted_indexer_pull_changes_the_output(deployment: Deployment) -> None:
+    prompt = _prompt("echo", 700)
+    want = _decode_only(deployment, prompt)
+    before = _decode_stats(deployment)["engine_wrapper"].get("corrupted_bytes", 0)
+    deployment.set_faults(corrupt_reads=True, corrupt_part="idx")
+    try:
+        damaged = _complete(deployment.proxy, prompt)
+    finally:
+        deployment.set_faults()
+    assert damaged.ok, damaged.error
+    assert _decode_stats(deployment)["engine_wrapper"]["corrupted_bytes"] > before
+    # Only the indexer keys were damaged: the selection, and so the answer, changed.
+    assert damaged.token_ids != want.token_ids
+    healed = _complete(deployment.proxy, prompt)
+    assert healed.ok, healed.error
+    assert healed.token_ids == want.token_ids and healed.logprobs == want.logprobs
+
+
+def test_failed_pull_is_recomputed_on_decode(deployment: Deployment) -> None:
+    prompt = _prompt("foxtrot", 640)
+    want = _decode_only(deployment, prompt)
+    before = _decode_stats(deployment)
+    deployment.set_faults(fail_reads=1)
+    try:
+        got = _complete(deployment.proxy, prompt)
+    finally:
+        deployment.set_faults()
+    after = _settled_stats(deployment, before["received"] + before["failed"] + 1)
+    assert after["failed"] == before["failed"] + 1
+    assert after["invalid_blocks_reported"] > before["invalid_blocks_reported"]
+    # vLLM's load-failure path recomputed the prompt on decode, block by block like the
+    # reference: the same answer.
+    assert got.ok, got.error
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
