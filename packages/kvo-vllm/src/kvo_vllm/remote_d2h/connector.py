@@ -11,8 +11,8 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 (other TP sizes are
-refused at start-up until tested).
+(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 and without
+speculative decoding (anything else is refused at start-up until tested).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvo_core.buffer_regions import INDEXER_PART
 from kvo_core.errors import ConfigError
 from kvo_core.gates import SlotGates, SlotKey
 from kvo_vllm.dsa.offload_metrics import connector_stats
@@ -60,6 +61,7 @@ from kvo_vllm.metrics import (
     remote_d2h_counters,
 )
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+from kvo_vllm.remote_d2h.kv_caches import cache_part
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata
 from kvo_vllm.remote_d2h.options import RemoteD2HOptions
 from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_destination
@@ -135,6 +137,13 @@ class RemoteD2HConnector(KVConnectorBase_V1):
     # ==== worker side ====================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        speculative = getattr(self._vllm_config, "speculative_config", None)
+        if speculative is not None and any(cache_part(name) == INDEXER_PART
+                                           for name in kv_caches):
+            raise ConfigError(
+                f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
+                f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
+                f"hand-off is not tested; run P/D without speculative_config")
         if self.sender is not None:
             self.sender.register_kv_caches(kv_caches, self._slot_key_of)
         if self.puller is not None:
