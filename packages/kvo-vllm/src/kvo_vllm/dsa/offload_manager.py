@@ -327,7 +327,9 @@ class OffloadManager:
             out[where] = attend_rows(query[where], query_rope[where], rows,
                                      valid.to(self.device), self.layout.latent_dim, scale)
         selected = misses = 0
+        fused_seconds = 0.0
         if bool(decode.any()):
+            started = time.perf_counter()
             rows_b = decode.nonzero().squeeze(1)
             tokens = decode_tok.nonzero().squeeze(1)
             latent, rope = self.pool_parts(layer)
@@ -338,13 +340,14 @@ class OffloadManager:
                 pool_rope=rope, scale=scale)
             out[tokens.to(self.device)] = result.output
             selected, misses = result.selected, result.misses
+            fused_seconds = time.perf_counter() - started
 
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
             pool_rows=int((~decode).sum()), selected=selected, hits=selected - misses,
             misses=misses, h2d_bytes=misses * self.row_bytes,
             full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
-            pool_rows_used=int(seq_lens.sum())))
+            pool_rows_used=int(seq_lens.sum()), residency_seconds=fused_seconds))
         return out
 
     def close(self) -> None:

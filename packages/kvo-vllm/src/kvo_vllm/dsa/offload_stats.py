@@ -5,7 +5,8 @@ A "layer call" is one attention forward of one layer (one vLLM step runs every l
 (with several query rows per request, a position two rows select counts for each row);
 ``misses`` the distinct rows copied host -> device; ``h2d_bytes`` is ``misses x row bytes`` by
 construction of the copy, which tests check against the bytes the copy op really moved.
-``residency_seconds`` is the wall time of the residency update and the miss copies.
+``residency_seconds`` is the wall time of the residency update and the miss copies (with
+``kernel_backend="fused"``: of the two fused ops, which also score the indexer and attend).
 
 The same totals reach vLLM's ``/metrics`` through kvo's connectors (:mod:`kvo_vllm.metrics`).
 """
