@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,14 @@ def _settled_stats(deployment: Deployment, received: int) -> dict[str, Any]:
         time.sleep(0.25)
 
 
+def _scrape(url: str, name: str) -> float:
+    """The sum over every label set of one series on a vLLM server's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def test_pd_answers_equal_decode_only_offload(deployment: Deployment) -> None:
     # Mixed lengths: nothing to pull (one block), a one-token tail (64k + 1 tokens: decode's
     # first step is a decode-sized query through residency), and longer prompts.
@@ -186,6 +195,17 @@ def test_pd_answers_equal_decode_only_offload(deployment: Deployment) -> None:
     assert main > 0 and main % (NUM_LAYERS * block_main) == 0
     assert index * block_main == main * block_index
     assert set(after["per_layer"]) == {str(i) for i in range(NUM_LAYERS)}
+
+    def scraped() -> tuple[float, float]:
+        return (_scrape(deployment.decode, "vllm:kvo_remote_d2h_pulled_main_bytes_total"),
+                _scrape(deployment.decode, "vllm:kvo_remote_d2h_pulled_indexer_bytes_total"))
+
+    # The same bytes per part on vLLM's /metrics (they lag the stats file by a log interval).
+    per_part_bytes = (parts["kv"]["bytes"], parts["idx"]["bytes"])
+    limit = time.monotonic() + 30
+    while scraped() != per_part_bytes and time.monotonic() < limit:
+        time.sleep(0.5)
+    assert scraped() == per_part_bytes
 
 
 @pytest.mark.parametrize("part", ["idx", "kv"])

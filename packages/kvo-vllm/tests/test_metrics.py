@@ -55,9 +55,13 @@ def test_remote_d2h_counters_follow_the_stats_file_snapshot() -> None:
                 "decode": {"received": 2, "failed": 1, "deadline_failures": 0,
                            "invalid_blocks_reported": 3,
                            "per_layer": {"0": {"reads": 2, "bytes": 1024, "seconds": 0.01},
-                                         "1": {"reads": 1, "bytes": 512, "seconds": 0.02}}}}
+                                         "1": {"reads": 1, "bytes": 512, "seconds": 0.02}},
+                           "per_part": {"kv": {"bytes": 1280, "descriptors": 3},
+                                        "idx": {"bytes": 256, "descriptors": 3}}}}
     counters = remote_d2h_counters(snapshot)
     assert counters["remote_d2h_pulled_bytes"] == 1536
+    assert counters["remote_d2h_pulled_main_bytes"] == 1280
+    assert counters["remote_d2h_pulled_indexer_bytes"] == 256
     assert counters["remote_d2h_layers_pulled"] == 3
     assert counters["remote_d2h_readys_published"] == 8
     assert counters["remote_d2h_invalid_blocks"] == 3

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvo_core.buffer_regions import INDEXER_PART, MAIN_PART
 from kvo_core.errors import ConfigError
 
 
@@ -85,6 +86,11 @@ REMOTE_D2H_METRICS = _catalog(
            "Requests whose pull failed (vLLM's load-failure path)."),
     Metric("remote_d2h_layers_pulled", "counter", "Layer reads decode completed."),
     Metric("remote_d2h_pulled_bytes", "counter", "Bytes decode pulled from prefill."),
+    Metric("remote_d2h_pulled_main_bytes", "counter",
+           "Bytes of main KV decode pulled (into its KV cache, or its host pool with kvo's "
+           "offload backend)."),
+    Metric("remote_d2h_pulled_indexer_bytes", "counter",
+           "Bytes of lightning-indexer keys decode pulled (DSA models)."),
     Metric("remote_d2h_pull_seconds", "counter", "Seconds decode spent in layer reads."),
     Metric("remote_d2h_deadline_failures", "counter",
            "Requests failed because a layer did not arrive in time."),
@@ -133,6 +139,7 @@ def remote_d2h_counters(snapshot: Mapping[str, Any]) -> dict[str, float]:
     decode = snapshot.get("decode")
     if decode:
         per_layer = decode.get("per_layer", {}).values()
+        per_part = decode.get("per_part", {})
         counters.update({
             "remote_d2h_requests_received": decode.get("received", 0),
             "remote_d2h_requests_failed": decode.get("failed", 0),
@@ -140,6 +147,8 @@ def remote_d2h_counters(snapshot: Mapping[str, Any]) -> dict[str, float]:
             "remote_d2h_invalid_blocks": decode.get("invalid_blocks_reported", 0),
             "remote_d2h_layers_pulled": sum(layer["reads"] for layer in per_layer),
             "remote_d2h_pulled_bytes": sum(layer["bytes"] for layer in per_layer),
+            "remote_d2h_pulled_main_bytes": per_part.get(MAIN_PART, {}).get("bytes", 0),
+            "remote_d2h_pulled_indexer_bytes": per_part.get(INDEXER_PART, {}).get("bytes", 0),
             "remote_d2h_pull_seconds": sum(layer["seconds"] for layer in per_layer)})
     return counters
 
