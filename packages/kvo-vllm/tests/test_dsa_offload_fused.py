@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_dsa_offload_manager import BS, LAYERS, MAX_BLOCKS, MAX_ROWS, NUM_BLOCKS, K, _FakeScheduler
 
+from kvo_core.errors import ConfigError
 from kvo_kernels.reference.primitives import hadamard_quant_int8, indexer_scores, topk_indices
 from kvo_vllm.dsa.main_kv import attend_rows
 from kvo_vllm.dsa.offload_fused import IndexerInputs
@@ -186,5 +187,8 @@ def test_fused_manager_keeps_latent_and_rope_apart_and_refuses_gather() -> None:
         with pytest.raises(RuntimeError, match="attend"):
             manager.gather(0, torch.zeros(1, K, dtype=torch.int64), torch.tensor([0, 1]),
                            torch.tensor([1]), torch.zeros(1, 4, dtype=torch.int32))
+        # a P/D pull writes whole interleaved rows: not into this pool (refused at start-up)
+        with pytest.raises(ConfigError, match="kernel_backend 'auto' or 'reference'"):
+            manager.pool_layer_base(0)
     finally:
         manager.close()
