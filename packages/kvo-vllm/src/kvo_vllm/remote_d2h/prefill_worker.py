@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from kvo_core.config import RemoteD2HConfig
+from kvo_core.errors import ConfigError
 from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
@@ -116,6 +117,11 @@ class PrefillSender:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
                            slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
         layout = describe_kv_caches(kv_caches)
+        if layout.has_indexer and self.tp_size > 1:
+            raise ConfigError(
+                f"RemoteD2H hands DSA layouts (main KV + indexer caches) over from prefill TP 1 "
+                f"only so far; this prefill runs TP {self.tp_size} (the indexer split between "
+                f"contribution members is not tested through vLLM yet)")
         engine = transfer_engine_for(self.config, [t for layer in layout.layers
                                                    for _, t in layer.tensors()],
                                      role="Prefill", tp_rank=self.tp_rank)
