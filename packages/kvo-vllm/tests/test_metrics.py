@@ -224,3 +224,30 @@ def test_metrics_connector_refuses_what_it_cannot_do() -> None:
     connector = KvoOffloadMetricsConnector(_metrics_connector_config("kv_both", {}),
                                            KVConnectorRole.SCHEDULER, None)
     assert connector.get_num_new_matched_tokens(None, 0) == (0, False)  # type: ignore[arg-type]
+
+
+def test_every_connector_class_builds_its_own_series() -> None:
+    """vLLM calls these two hooks on the connector class named in kv_transfer_config."""
+    from kvo_vllm.connectors import (
+        KvoMultiConnector,
+        KvoOffloadMetricsConnector,
+        LayerwiseStoreConnector,
+        RemoteD2HConnector,
+    )
+
+    expected = {
+        LayerwiseStoreConnector: {*LAYERWISE_METRICS, *SPARSE_OFFLOAD_METRICS},
+        RemoteD2HConnector: {name for name in METRICS if name.startswith("remote_d2h_")}
+        | set(SPARSE_OFFLOAD_METRICS),
+        KvoMultiConnector: set(METRICS),
+        KvoOffloadMetricsConnector: set(SPARSE_OFFLOAD_METRICS),
+    }
+    for cls, names in expected.items():
+        registry = CollectorRegistry()
+        metric_types = {Counter: _on(registry, Counter), Gauge: _on(registry, Gauge),
+                        Histogram: _on(registry, Histogram)}
+        prom = cls.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), metric_types,
+                                      ["engine"], {0: ["0"]})
+        assert set(prom.series) == names, cls.__name__
+        stats = cls.build_kv_connector_stats({"counters": {"sparse_offload_hits": 2}})
+        assert type(stats) is KvoConnectorStats and stats.reduce()["sparse_offload_hits"] == 2

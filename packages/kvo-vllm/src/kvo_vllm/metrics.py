@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -295,3 +295,22 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelna
                     self.series[name][engine_idx].set(sum(levels.values()))
 
     return KvoPromMetrics()
+
+
+class KvoMetricsReporting:
+    """vLLM's two class-level metric hooks for a kvo connector (put it before
+    ``KVConnectorBase_V1`` in the bases): the payload class, and one Prometheus series per
+    entry of ``metric_catalog``."""
+
+    metric_catalog: ClassVar[Mapping[str, Metric]] = METRICS
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return build_prom_metrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues, cls.metric_catalog)

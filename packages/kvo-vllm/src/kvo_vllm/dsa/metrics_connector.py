@@ -16,7 +16,8 @@ after every step that changed them (demos, tests).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,8 +31,8 @@ from kvo_vllm.dsa.offload_metrics import connector_stats, process_offload_counte
 from kvo_vllm.metrics import (
     SPARSE_OFFLOAD_METRICS,
     KvoConnectorStats,
-    build_prom_metrics,
-    build_stats,
+    KvoMetricsReporting,
+    Metric,
 )
 from kvo_vllm.remote_d2h.stats_file import StatsFile
 
@@ -48,8 +49,10 @@ logger = logging.getLogger(__name__)
 EXTRA_KEYS = ("stats_file",)
 
 
-class KvoOffloadMetricsConnector(KVConnectorBase_V1):
+class KvoOffloadMetricsConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """Reports ``vllm:kvo_sparse_offload_*``; otherwise a connector that does nothing."""
+
+    metric_catalog: ClassVar[Mapping[str, Metric]] = SPARSE_OFFLOAD_METRICS
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -83,16 +86,6 @@ class KvoOffloadMetricsConnector(KVConnectorBase_V1):
             self._stats.maybe_write(force=True)
         return stats
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
-        return build_stats(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues, SPARSE_OFFLOAD_METRICS)
 
     # -- worker side: nothing to load or save ------------------------------------------------
 

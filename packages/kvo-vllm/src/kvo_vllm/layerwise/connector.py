@@ -28,7 +28,8 @@ vLLM 0.32 hooks used:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -57,8 +58,8 @@ from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     SPARSE_OFFLOAD_METRICS,
     CounterDeltas,
-    build_prom_metrics,
-    build_stats,
+    KvoMetricsReporting,
+    Metric,
 )
 
 if TYPE_CHECKING:
@@ -98,8 +99,10 @@ def _store_namespace(vllm_config: VllmConfig, layout: LayerLayout) -> str:
     ])
 
 
-class LayerwiseStoreConnector(KVConnectorBase_V1):
+class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """vLLM KV connector: layerwise save/load through a KV store with shared layer buffers."""
+
+    metric_catalog: ClassVar[Mapping[str, Metric]] = {**LAYERWISE_METRICS, **SPARSE_OFFLOAD_METRICS}
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -213,17 +216,6 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
             return None
         return connector_stats(self._metric_deltas.take(self._worker.stats.metric_counters()))
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        return build_stats(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues,
-                                  {**LAYERWISE_METRICS, **SPARSE_OFFLOAD_METRICS})
 
     # ==== scheduler side =================================================================
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -56,8 +56,8 @@ from kvo_vllm.metrics import (
     SPARSE_OFFLOAD_METRICS,
     CounterDeltas,
     KvoConnectorStats,
-    build_prom_metrics,
-    build_stats,
+    KvoMetricsReporting,
+    Metric,
     remote_d2h_counters,
 )
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
@@ -70,7 +70,7 @@ from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
 from kvo_vllm.remote_d2h.stats_file import StatsFile
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -90,8 +90,11 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
     return int(groups[0].kv_cache_spec.block_size)
 
 
-class RemoteD2HConnector(KVConnectorBase_V1):
+class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """vLLM KV connector for the decode-first P/D flow (see the module docstring)."""
+
+    metric_catalog: ClassVar[Mapping[str, Metric]] = {**REMOTE_D2H_METRICS,
+                                                      **SPARSE_OFFLOAD_METRICS}
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -213,17 +216,6 @@ class RemoteD2HConnector(KVConnectorBase_V1):
             return None
         return connector_stats(self._metric_deltas.take(remote_d2h_counters(self.snapshot())))
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
-        return build_stats(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues,
-                                  {**REMOTE_D2H_METRICS, **SPARSE_OFFLOAD_METRICS})
 
     # ==== scheduler side =================================================================
 

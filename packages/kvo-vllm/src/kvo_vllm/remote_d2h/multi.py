@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -43,7 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvo_core.errors import ConfigError
 from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
-from kvo_vllm.metrics import METRICS, KvoConnectorStats, build_prom_metrics, build_stats
+from kvo_vllm.metrics import (
+    METRICS,
+    KvoConnectorStats,
+    KvoMetricsReporting,
+    Metric,
+    build_stats,
+)
 from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
 from kvo_vllm.remote_d2h.gates import JoinedSlotGates
 from kvo_vllm.remote_d2h.stats_file import StatsFile
@@ -117,8 +123,10 @@ def _sub_config(vllm_config: VllmConfig, extra: Mapping[str, Any], name: str) ->
     return sub
 
 
-class KvoMultiConnector(KVConnectorBase_V1):
+class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """LayerwiseStoreConnector + RemoteD2HConnector with joined buffer-reuse gates."""
+
+    metric_catalog: ClassVar[Mapping[str, Metric]] = METRICS
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -263,16 +271,6 @@ class KvoMultiConnector(KVConnectorBase_V1):
             total.aggregate(part)
         return total
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvoConnectorStats:
-        return build_stats(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return build_prom_metrics(vllm_config, metric_types, labelnames,
-                                  per_engine_labelvalues, METRICS)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
