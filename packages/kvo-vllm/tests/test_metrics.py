@@ -151,9 +151,12 @@ def test_prometheus_gauge_is_set_not_added() -> None:
     assert value("vllm:kvo_sparse_offload_h2d_bytes_total", {"engine": "0"}) == 2304
 
 
-def _fake_worker(totals: OffloadTotals) -> Any:
+def _fake_worker(totals: OffloadTotals, pool_rows_used: int) -> Any:
     stats = OffloadStats()
     stats.totals = totals
+    stats.last[0] = OffloadLayerStats(
+        layer=0, decode_rows=1, decode_tokens=1, pool_rows=0, selected=0, hits=0, misses=0,
+        h2d_bytes=0, full_reload_bytes=0, pool_rows_used=pool_rows_used)
     return SimpleNamespace(stats=stats)
 
 
@@ -167,8 +170,8 @@ def test_offload_increments_are_handed_out_once_per_process(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two connectors of one process (KvoMultiConnector's halves) must not count a miss twice."""
     totals = OffloadTotals(steps=2, calls=4, selected=40, hits=30, misses=10, h2d_bytes=11520,
-                           full_reload_bytes=99999, residency_seconds=0.5, pool_rows_used=77)
-    workers = [_fake_worker(totals)]
+                           full_reload_bytes=99999, residency_seconds=0.5)
+    workers = [_fake_worker(totals, pool_rows_used=77)]
     monkeypatch.setattr(offload_metrics, "offload_workers", lambda: workers)
     monkeypatch.setattr(offload_metrics, "_DELTAS", CounterDeltas())
     first = offload_metrics.connector_stats({"layerwise_saved_bytes": 64})
@@ -195,7 +198,7 @@ def test_offload_stats_history_is_bounded() -> None:
             layer=0, decode_rows=1, decode_tokens=1, pool_rows=0, selected=4, hits=step,
             misses=4 - step, h2d_bytes=0, full_reload_bytes=0, pool_rows_used=10 + step))
     assert [s.hits for s in stats.history] == [2, 3, 4]
-    assert stats.totals.steps == 5 and stats.totals.pool_rows_used == 14
+    assert stats.totals.steps == 5 and stats.pool_rows_used == 14
     assert not OffloadStats().history.maxlen    # default: keeps none
     with pytest.raises(ValueError, match="history_limit is -1"):
         OffloadStats(history_limit=-1)

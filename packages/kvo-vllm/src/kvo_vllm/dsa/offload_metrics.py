@@ -47,7 +47,7 @@ def process_offload_counters() -> dict[str, float]:
 
 
 def process_pool_rows_used() -> int:
-    return sum(worker.stats.totals.pool_rows_used for worker in offload_workers())
+    return sum(worker.stats.pool_rows_used for worker in offload_workers())
 
 
 def take_offload_deltas() -> tuple[dict[str, float], dict[str, dict[str, float]]]:

@@ -50,7 +50,6 @@ class OffloadTotals:
     h2d_bytes: int = 0
     full_reload_bytes: int = 0
     residency_seconds: float = 0.0
-    pool_rows_used: int = 0     # the last step's (layer 0's), a level, not a sum
 
     def add(self, stats: OffloadLayerStats) -> None:
         self.calls += 1
@@ -60,8 +59,6 @@ class OffloadTotals:
         self.h2d_bytes += stats.h2d_bytes
         self.full_reload_bytes += stats.full_reload_bytes
         self.residency_seconds += stats.residency_seconds
-        if stats.layer == 0:
-            self.pool_rows_used = stats.pool_rows_used
 
     @property
     def hit_rate(self) -> float:
@@ -85,6 +82,12 @@ class OffloadStats:
         self.totals = OffloadTotals()
         self.last: dict[int, OffloadLayerStats] = {}
         self.history: deque[OffloadLayerStats] = deque(maxlen=history_limit)
+
+    @property
+    def pool_rows_used(self) -> int:
+        """The last step's level (its layer-0 call), 0 before the first."""
+        first = self.last.get(0)
+        return 0 if first is None else first.pool_rows_used
 
     def record(self, stats: OffloadLayerStats) -> None:
         if stats.layer == 0:
