@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
-from kvo_core.gates import GateStateError, RequestCompletionTracker, SlotGates, slot_name
+from kvo_core.gates import (
+    MAX_ANNOUNCED,
+    GateStateError,
+    RequestCompletionTracker,
+    SlotGates,
+    slot_name,
+)
 
 KEY = (0x7F00_0000_1000, 0x7F00_0000_2000)
 JOIN_S = 10.0  # generous bound so a broken gate fails the test instead of hanging CI
@@ -560,3 +566,122 @@ def test_one_fence_per_gate_table() -> None:
         gates.attach_fence(RecordingFence(gates))
     gates.attach_fence(None)
     gates.attach_fence(RecordingFence(gates))
+
+
+# -- announced parts and joined sub-parts (one producer reports into another's round) ------
+
+
+def test_a_report_of_an_announced_part_before_its_round_is_applied_at_close() -> None:
+    gates = SlotGates()
+    gates.announce(KEY, "remote:1:0")
+    gates.join(KEY, "remote:1:0", ["read:a#1", "read:b#2"])  # one per decode endpoint
+    assert gates.mark_done(KEY, "read:a#1") and gates.mark_done(KEY, "read:b#2")
+    assert gates.is_open(KEY)  # no round yet: the report is held
+    gates.close(KEY, ["store:1:0", "remote:1:0"])
+    assert gates.pending(KEY) == {"store:1:0"}  # the early remote answer was applied
+    gates.mark_done(KEY, "store:1:0")
+    gates.wait(KEY, 0)
+    assert gates.in_flight_sub_parts() == 0
+
+
+def test_the_slot_opens_only_after_the_save_and_every_joined_read() -> None:
+    gates = SlotGates()
+    gates.announce(KEY, "remote:2:0")
+    gates.join(KEY, "remote:2:0", ["read:a#3", "read:b#4"])
+    gates.close(KEY, ["store:2:0", "remote:2:0"])
+    gates.mark_done(KEY, "store:2:0")
+    gates.mark_done(KEY, "read:a#3")
+    assert not gates.is_open(KEY)  # decode b still reads the buffer
+    waiters = start_waiters(gates, KEY, 2)
+    assert_still_blocked(waiters)
+    gates.mark_done(KEY, "read:b#4")
+    join_all(waiters)
+    assert all(w.returned for w in waiters)
+
+
+def test_a_failed_sub_part_fails_the_round_once_and_later_ones_are_absorbed() -> None:
+    gates = SlotGates()
+    fence = RecordingFence(gates)
+    gates.attach_fence(fence)
+    gates.announce(KEY, "remote:3:0")
+    gates.join(KEY, "remote:3:0", ["read:a#5", "read:b#6"])
+    gates.close(KEY, ["remote:3:0", "store:3:0"])
+    assert gates.mark_failed(KEY, "read:a#5", "decode lost")
+    assert gates.mark_done(KEY, "read:b#6")  # a late success changes nothing
+    assert fence.advanced == [(KEY, False)]
+    with pytest.raises(SlotFailedError, match=r"remote:3:0.*decode lost"):
+        gates.wait(KEY, 0)
+    assert gates.in_flight_sub_parts() == 0
+    assert not gates.mark_done(KEY, "read:b#6")  # unknown now: ignored
+
+
+def test_an_early_failure_fails_the_round_when_it_closes() -> None:
+    gates = SlotGates()
+    gates.announce(KEY, "remote:4:0")
+    gates.join(KEY, "remote:4:0", ["read:a#7"])
+    gates.mark_failed(KEY, "read:a#7", "READ_FAILED")
+    gates.close(KEY, ["store:4:0", "remote:4:0"])
+    with pytest.raises(SlotFailedError, match="READ_FAILED"):
+        gates.wait(KEY, 0)
+
+
+def test_a_join_into_a_part_of_the_running_round_and_an_empty_join() -> None:
+    gates = SlotGates()
+    gates.close(KEY, ["store", "remote", "other"])
+    gates.join(KEY, "remote", ["read:a#1"])  # the round closed first: reports go straight in
+    gates.join(KEY, "other", [])  # nothing reads: done at once
+    assert gates.pending(KEY) == {"store", "remote"}
+    gates.mark_done(KEY, "read:a#1")
+    assert gates.pending(KEY) == {"store"}
+
+
+def test_join_and_announce_misuse_is_refused_naming_the_part() -> None:
+    gates = SlotGates()
+    with pytest.raises(GateStateError, match=r"'remote:9' of slot .* neither announced"):
+        gates.join(KEY, "remote:9", ["read:a#1"])
+    gates.announce(KEY, "remote:9")
+    with pytest.raises(GateStateError, match="already announced"):
+        gates.announce(KEY, "remote:9")
+    gates.join(KEY, "remote:9", ["read:a#1"])
+    gates.announce(KEY, "remote:10")
+    with pytest.raises(GateStateError, match=r"\['read:a#1'\] .* another part"):
+        gates.join(KEY, "remote:10", ["read:a#1", "read:b#2"])
+    with pytest.raises(GateStateError, match="never closed"):
+        gates.mark_done(KEY, "read:zz")  # neither joined, announced, nor in a round
+
+
+def test_announcements_whose_round_never_comes_are_bounded() -> None:
+    gates = SlotGates()
+    gates.announce(KEY, "remote:0:0")
+    gates.join(KEY, "remote:0:0", ["read:a#0"])
+    for step in range(1, MAX_ANNOUNCED + 1):
+        gates.announce(KEY, f"remote:{step}:0")
+    assert gates.mark_done(KEY, "read:a#0")  # its announcement was dropped (oldest first)...
+    gates.close(KEY, ["remote:0:0", f"remote:{MAX_ANNOUNCED}:0"])
+    assert gates.pending(KEY) == {"remote:0:0", f"remote:{MAX_ANNOUNCED}:0"}  # ...not held
+    gates.mark_done(KEY, f"remote:{MAX_ANNOUNCED}:0")  # while recent ones still count
+    assert gates.pending(KEY) == {"remote:0:0"}
+
+
+def test_joined_reads_from_many_threads_release_the_slot_exactly_when_all_are_in() -> None:
+    rng = random.Random(3)
+    for round_ in range(50):
+        gates = SlotGates()
+        part = f"remote:{round_}"
+        subs = [f"read:{i}#{round_}" for i in range(rng.randint(1, 6))]
+        gates.announce(KEY, part)
+        gates.join(KEY, part, subs)
+        close_after = rng.randint(0, len(subs))  # the round closes somewhere among the reports
+        early = [threading.Thread(target=gates.mark_done, args=(KEY, sub))
+                 for sub in subs[:close_after]]
+        for thread in early:
+            thread.start()
+        for thread in early:
+            thread.join(JOIN_S)
+        gates.close(KEY, ["store", part])
+        gates.mark_done(KEY, "store")
+        for sub in subs[close_after:]:
+            assert not gates.is_open(KEY), (round_, close_after, len(subs))
+            gates.mark_done(KEY, sub)
+        assert gates.is_open(KEY), (round_, close_after, len(subs))
+        assert gates.in_flight_sub_parts() == 0

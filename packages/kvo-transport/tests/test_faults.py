@@ -453,3 +453,36 @@ def test_forgotten_requests_and_invalidation_callbacks(engine, source,
     assert [args[:4] for args in invalidated] == [("short", 0, (5,), (5,))]
     assert "destination has 1" in invalidated[0][4]
     assert receiver.invalid_blocks("short").main == {5}
+
+
+def test_reads_joined_into_the_owners_round_open_it_only_with_the_save(
+        engine, source, buffers, closing) -> None:
+    """The publisher reports into a round someone else closes (the layerwise pipeline's:
+    store save + remote reads): the READ_DONE may come before the round exists, and a
+    READ_FAILED fails the owner's round."""
+    dest = buffers(GEOMETRY.total_bytes)
+    decode = closing(DecodeProcess(DecodeSpec(
+        shm_name=dest.name, geometry=GEOMETRY,
+        destinations={"r": ((6, 2), None), "q": ((3, 1), None)},
+        read_retries=0, fail_first_reads=1)))
+    gates, tracker = SlotGates(), RequestCompletionTracker()
+    publisher = closing(make_publisher(engine, source, gates=gates, tracker=tracker))
+    for layer, (key, request) in enumerate((((1,), "r"), ((2,), "q"))):
+        gates.announce(key, f"remote:{layer}")
+        publisher.publish_layer(layer, key, {decode.endpoint: [
+            publisher.ready_request(request, 0, (4, 5), (1, 0))]},
+            last_layer_request_ids=(request,), slot_part=f"remote:{layer}")
+    finished, failed = pop_until(tracker, "r")
+    if "q" not in finished:
+        finished |= pop_until(tracker, "q")[0]
+    assert "r" in failed and finished == {"q"}  # layer 0's read failed, layer 1's was done...
+    assert gates.is_open((1,)) and gates.is_open((2,))  # ...held: no round closed yet
+    for layer, key in enumerate(((1,), (2,))):
+        gates.close(key, [f"store:{layer}", f"remote:{layer}"])
+        assert gates.pending(key) == {f"store:{layer}"}  # the early answer was applied
+        gates.mark_done(key, f"store:{layer}")
+    error = wait_failure(gates, (1,))
+    assert "remote:0" in str(error) and "injected transient failure" in str(error)
+    gates.wait((2,), WAIT)  # layer 1 was read fine: its slot opens with its save
+    with pytest.raises(ValueError, match="belong to the round's owner"):
+        publisher.publish_layer(0, (3,), {}, extra_parts=["store"], slot_part="remote:x")

@@ -21,7 +21,8 @@ Decisions, so callers can rely on them:
   from an abandoned round, and it must not kill the reporting thread. A misspelt part name is
   still visible: the round then never opens and ``wait``'s timeout names the missing part.
   To keep late reports from matching a new round, use part names unique per round (e.g. with
-  the request id). A report for a slot that was never closed is a bug and raises.
+  the request id). A report for a slot that was never closed, of a part that was not
+  announced or joined, is a bug and raises.
 - ``wait`` timing out is only an observation: the round keeps running. To give up on a part,
   report it with ``mark_failed`` (e.g. with the SlotTimeoutError); then ``close`` may start a
   new round.
@@ -32,6 +33,17 @@ Decisions, so callers can rely on them:
   latency path of every slot round. One waiter pumps at a time; the others sleep as usual, and
   a report from any other thread interrupts the pump so the pumping waiter sees it at once.
   The pump is only a shortcut: the transport must report on its own when nobody pumps.
+- A part may be reported before the round that names it is closed, when it was announced
+  (``announce(key, part)``): a producer that publishes its readers before the slot's owner
+  closes the round (RemoteD2H publishes a layer before the layerwise pipeline closes its round,
+  so the READY is out early and a shared buffer never waits for a read not yet requested). The
+  first report of an announced part is held and applied when the round naming it is closed.
+  Announcements whose round never comes are dropped past ``MAX_ANNOUNCED`` (oldest first).
+- A part may be the join of sub-parts (``join(key, part, sub_parts)``): each sub-part (e.g. one
+  per decode endpoint that was sent a READY) reports like a part; the joined part reports done
+  when every sub-part is done, failed with the first sub-part failure. The joined part must be
+  announced or pending in the current round. A reporter therefore only reports its own parts,
+  whichever component closes the round.
 - A ``SlotFence`` may be attached (``attach_fence``): the transport's epoch words. When a round
   ends with a failure (a reader failed, missed its deadline, or a waiter gave up on it), the
   fence advances the slot's epoch before any waiter is woken, so a reader still running can
@@ -47,6 +59,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -56,6 +69,9 @@ from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
 
 SlotKey = tuple[int, ...]
 """Base addresses of a physical slot's tensors; layers aliasing the storage share the key."""
+
+MAX_ANNOUNCED = 4096
+"""Announced parts whose round never came (e.g. the step saved nothing) kept at most."""
 
 PUMP_SLICE_S = 0.05
 """Longest single pump call: a bound on how late a waiter notices a timeout or a new pump."""
@@ -125,12 +141,27 @@ class _Round:
         return not self.pending or self.error is not None
 
 
+_Outcome = str | BaseException | None
+"""A report: None (done) or the failure."""
+
+
+@attrs.define
+class _Join:
+    """A part reported by its sub-parts: done when all are, failed with the first failure."""
+
+    part: str
+    pending: set[str]
+    failed: bool = False
+
+
 class SlotGates:
     """Thread-safe completion gates for physical buffer slots (rules in the module docstring)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._rounds: dict[SlotKey, _Round] = {}
+        self._announced: OrderedDict[tuple[SlotKey, str], list[_Outcome]] = OrderedDict()
+        self._joins: dict[tuple[SlotKey, str], _Join] = {}  # (key, sub-part) -> its join
         self._pump: GatePump | None = None
         self._pumping_thread: int | None = None
         self._fence: SlotFence | None = None
@@ -161,8 +192,55 @@ class SlotGates:
                 raise GateStateError(
                     f"slot {slot_name(key)} is still busy (waiting for "
                     f"{_names(current.pending)}); wait for it before closing it again")
-            self._rounds[key] = _Round(expected=expected, pending=set(expected))
+            current = self._rounds[key] = _Round(expected=expected, pending=set(expected))
+            for part in sorted(expected):
+                early = self._announced.pop((key, part), None)
+                if early:  # reported before this round existed: apply the first report
+                    self._apply(key, current, part, early[0])
             self._changed.notify_all()
+
+    def announce(self, key: SlotKey, part: str) -> None:
+        """``part`` will be a part of the next round closed on ``key``; its report may come
+        first and is then held until that round is closed."""
+        key, part = _check_key(key), _check_part(part)
+        with self._changed:
+            if (key, part) in self._announced:
+                raise GateStateError(f"part {part!r} of slot {slot_name(key)} is already "
+                                     f"announced; use part names unique per round")
+            while len(self._announced) >= MAX_ANNOUNCED:
+                self._announced.popitem(last=False)  # its round never came
+            self._announced[(key, part)] = []
+
+    def join(self, key: SlotKey, part: str, sub_parts: Iterable[str]) -> None:
+        """``part`` (announced, or pending in the current round) is reported by ``sub_parts``:
+        done once every one is done (at once if there are none), failed at the first failure."""
+        key, part = _check_key(key), _check_part(part)
+        subs = {_check_part(sub) for sub in sub_parts}
+        with self._changed:
+            current = self._rounds.get(key)
+            if (key, part) not in self._announced and (current is None
+                                                        or part not in current.pending):
+                raise GateStateError(
+                    f"part {part!r} of slot {slot_name(key)} is neither announced nor pending "
+                    f"in its current round; announce it before joining sub-parts into it")
+            taken = sorted(sub for sub in subs if (key, sub) in self._joins)
+            if taken:
+                raise GateStateError(f"sub-part(s) {taken} of slot {slot_name(key)} already "
+                                     f"report into another part; use names unique per round")
+            group = _Join(part=part, pending=subs)
+            for sub in subs:
+                self._joins[(key, sub)] = group
+            if not subs:
+                self._settle(key, part, None)
+            self._changed.notify_all()
+            interrupt = self._interrupt_needed()
+        if interrupt is not None:
+            interrupt.interrupt()
+
+    def in_flight_sub_parts(self) -> int:
+        """Sub-parts joined into a part that have not reported yet."""
+        with self._changed:
+            return len(self._joins)
 
     def mark_done(self, key: SlotKey, part: str) -> bool:
         """Report that ``part`` no longer needs the slot; False if the report was ignored."""
@@ -172,28 +250,60 @@ class SlotGates:
         """Report that ``part`` failed; the first failure is raised to every waiter."""
         return self._report(key, part, error)
 
-    def _report(self, key: SlotKey, part: str, error: str | BaseException | None) -> bool:
+    def _report(self, key: SlotKey, part: str, error: _Outcome) -> bool:
         key = _check_key(key)
         part = _check_part(part)
         with self._changed:
-            current = self._rounds.get(key)
-            if current is None:
+            joined = self._joins.pop((key, part), None)
+            if joined is not None:
+                joined.pending.discard(part)
+                if error is not None and not joined.failed:
+                    joined.failed = True
+                    self._settle(key, joined.part, error)
+                elif error is None and not joined.pending and not joined.failed:
+                    self._settle(key, joined.part, None)
+                handled = True
+            elif (key, part) not in self._announced and key not in self._rounds:
                 raise GateStateError(
                     f"part {part!r} reported on slot {slot_name(key)}, which was never closed")
-            if part not in current.pending:
-                return False
-            current.pending.discard(part)
-            if error is not None and current.error is None:
-                if self._fence is not None:  # before any waiter may overwrite the slot
-                    self._fence.advance(key)
-                current.error = error
-                current.failed_part = part
+            else:
+                handled = self._settle(key, part, error)
             self._changed.notify_all()
-            pumping = self._pumping_thread
-            pump = self._pump
-        if pumping is not None and pump is not None and pumping != threading.get_ident():
-            pump.interrupt()  # the pumping waiter is not on the condition: tell it
+            interrupt = self._interrupt_needed()
+        if interrupt is not None:
+            interrupt.interrupt()  # the pumping waiter is not on the condition: tell it
+        return handled
+
+    def _settle(self, key: SlotKey, part: str, error: _Outcome) -> bool:
+        """(lock held) Report ``part``: held if announced, else to the current round; False
+        when ignored (not pending, or a joined part whose slot's round is gone)."""
+        early = self._announced.get((key, part))
+        if early is not None:
+            early.append(error)
+            return True
+        current = self._rounds.get(key)
+        if current is None:
+            return False
+        return self._apply(key, current, part, error)
+
+    def _apply(self, key: SlotKey, current: _Round, part: str, error: _Outcome) -> bool:
+        """(lock held) Report ``part`` to the round ``current``."""
+        if part not in current.pending:
+            return False
+        current.pending.discard(part)
+        if error is not None and current.error is None:
+            if self._fence is not None:  # before any waiter may overwrite the slot
+                self._fence.advance(key)
+            current.error = error
+            current.failed_part = part
         return True
+
+    def _interrupt_needed(self) -> GatePump | None:
+        """(lock held) The pump to interrupt: one run by a thread other than this one."""
+        pumping = self._pumping_thread
+        if pumping is not None and self._pump is not None and pumping != threading.get_ident():
+            return self._pump
+        return None
 
     def wait(self, key: SlotKey, timeout: float | None) -> None:
         """Block until the slot's current round ends (``timeout`` seconds; None = forever).

@@ -123,7 +123,8 @@ class PrefillPublisher:
     """One prefill rank's side of the control plane (see the module docstring).
 
     ``layers`` describe this rank's exposed buffers (MF_META); ``gates`` is the slot-gate
-    table the layer pipeline waits on (``fences`` is attached to it when it takes a fence);
+    table the layer pipeline waits on (``fences`` is attached to it), or None when nothing
+    reuses the buffers (no slot is reported; requests' lease words still guard their blocks);
     ``fences`` are this rank's epoch words, registered with its engine; ``tracker``
     (optional) receives per-request completion under the part name ``request_part``
     (expected automatically unless ``auto_expect`` is False, in which case the caller expects
@@ -134,7 +135,7 @@ class PrefillPublisher:
 
     def __init__(self, *, engine_session_id: str, backend: str, transfer_protocol: str,
                  instance_id: str, prefill_tp: int, p_rank: int, decode_tp: int,
-                 layers: Sequence[LayerMeta], gates: SlotGates, fences: FenceWords,
+                 layers: Sequence[LayerMeta], gates: SlotGates | None, fences: FenceWords,
                  tracker: RequestCompletionTracker | None = None,
                  handshake_timeout_s: float = 100.0, layer_deadline_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, request_part: str = "remote-read",
@@ -165,9 +166,8 @@ class PrefillPublisher:
         self._gates = gates
         self.fences = fences
         self._own_fences = False
-        attach_fence = getattr(gates, "attach_fence", None)
-        if attach_fence is not None:  # a slot round that fails advances the slot's word
-            attach_fence(fences)
+        if gates is not None:  # a slot round that fails advances the slot's word
+            gates.attach_fence(fences)
         self._tracker = tracker
         self._request_part = request_part
         self._auto_expect = auto_expect
@@ -311,13 +311,17 @@ class PrefillPublisher:
                       requests_by_endpoint: Mapping[str, Sequence[ReadyRequest]],
                       last_layer_request_ids: Iterable[str] = (),
                       extra_parts: Iterable[str] = (),
-                      deadline_s: float | None = None) -> PublishedLayer:
+                      deadline_s: float | None = None,
+                      slot_part: str | None = None) -> PublishedLayer:
         """Tell each decode endpoint that layer ``layer_index`` may be read now.
 
-        Closes the slot's gate with one part per endpoint (plus ``extra_parts``, e.g. the
-        store save, which the caller reports itself), sends one READ_READY_BATCH per endpoint
-        and returns at once; the I/O thread reports each answer to the gate. Endpoints not yet
-        connected are connected first (blocking up to the handshake timeout).
+        The reads are one part per endpoint of the slot's gate. With ``slot_part`` (a part the
+        slot's owner announced or closed, kvo_core.gates ``join``) they are joined into that
+        part and the round is the owner's; without it the publisher closes the slot's round
+        with them (plus ``extra_parts``, e.g. the store save, which the caller reports itself).
+        Sends one READ_READY_BATCH per endpoint and returns at once; the I/O thread reports each
+        answer to the gate. Endpoints not yet connected are connected first (blocking up to the
+        handshake timeout).
         """
         if not 0 <= layer_index < len(self.layers):
             raise ValueError(f"layer_index {layer_index} is out of range: this rank exposes "
@@ -331,6 +335,10 @@ class PrefillPublisher:
                                  f"published in this layer")
         for requests in requests_by_endpoint.values():
             _check_requests(requests)
+        extra_parts = tuple(extra_parts)
+        if slot_part is not None and extra_parts:
+            raise ValueError(f"extra_parts {list(extra_parts)} belong to the round's owner: "
+                             f"with slot_part {slot_part!r} the publisher closes no round")
         deadline_s = self.layer_deadline_s if deadline_s is None else deadline_s
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
@@ -362,7 +370,12 @@ class PrefillPublisher:
                         f"publish fewer requests per batch")
                 frames.append((peer, seq, frame, ids, leases))
         parts = {peer.endpoint: _part_name(peer.endpoint, seq) for peer, seq, *_ in frames}
-        self._gates.close(slot_key, [*parts.values(), *extra_parts])
+        if self._gates is None:
+            pass
+        elif slot_part is not None:
+            self._gates.join(slot_key, slot_part, parts.values())
+        else:
+            self._gates.close(slot_key, [*parts.values(), *extra_parts])
         now = time.monotonic()
         with self._lock:
             for peer, seq, _, ids, leases in frames:
@@ -385,6 +398,11 @@ class PrefillPublisher:
         return PublishedLayer(layer_index=layer_index, slot_key=slot_key,
                               seqs={peer.endpoint: seq for peer, seq, *_ in frames},
                               parts=parts)
+
+    def reads_in_flight(self) -> int:
+        """READYs sent and not answered yet (nor failed)."""
+        with self._lock:
+            return self._ledger.in_flight()
 
     def _frame_limit(self, peer: _Peer) -> int:
         """The smaller of both sides' frame limits (ZMQ cuts the connection over the decode's)."""
@@ -694,7 +712,9 @@ class PrefillPublisher:
         """
         if error is not None:
             self.fences.advance_words(item.lease_words)
-        if error is None:
+        if self._gates is None:
+            pass
+        elif error is None:
             self._gates.mark_done(item.slot_key, item.part)
         else:
             self._gates.mark_failed(item.slot_key, item.part, error)

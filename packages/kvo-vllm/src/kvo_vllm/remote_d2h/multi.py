@@ -16,11 +16,12 @@ Composition rules (what upstream's generic MultiConnector cannot guarantee):
   request or a buffer is done (``start_load_kv``, ``save_kv_layer``, ``get_transfer_results``,
   ``request_finished``, ``shutdown``), whatever ``order`` says; ``order`` only orders the
   remaining hooks, where it does not change the outcome;
-- one shared slot-gate table (``JoinedSlotGates``): the layerwise pipeline closes a reused
-  buffer's round with its store save *and* the layer's remote-read part, so the buffer opens
-  only when the save and every decode read of it are done. RemoteD2H publishes a layer before
-  the layerwise pipeline moves on to the next one, so a single shared buffer never waits for
-  a read that was not requested yet.
+- one slot-gate table, the layerwise pipeline's own (kvo_core.gates ``SlotGates``): it
+  closes a reused buffer's round with its store save *and* the layer's remote-read part, so
+  the buffer opens only when the save and every decode read of it are done. RemoteD2H
+  announces that part and publishes the layer before the layerwise pipeline closes the round
+  (its reads report into the part, early answers are held until the round closes), so a
+  single shared buffer never waits for a read that was not requested yet.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvo_core.errors import ConfigError
+from kvo_core.gates import SlotGates
 from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
 from kvo_vllm.metrics import (
     METRICS,
@@ -51,7 +53,6 @@ from kvo_vllm.metrics import (
     build_stats,
 )
 from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
-from kvo_vllm.remote_d2h.gates import JoinedSlotGates
 from kvo_vllm.remote_d2h.stats_file import StatsFile
 
 if TYPE_CHECKING:
@@ -136,12 +137,11 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self.layerwise = LayerwiseStoreConnector(
             _sub_config(vllm_config, self.options.layerwise, "LayerwiseStoreConnector"),
             role, kv_cache_config)
-        self.gates: JoinedSlotGates | None = None
+        self.gates: SlotGates | None = None
         if role == KVConnectorRole.WORKER:
-            self.gates = JoinedSlotGates()
-            # One gate table for both: the layerwise pipeline waits on it, the remote reads
-            # report into it. Swapped in before anything used the layerwise worker's gates.
-            self.layerwise.worker.gates = self.gates
+            # One gate table for both: the layerwise pipeline's, which it waits on; the
+            # remote reads report into it.
+            self.gates = self.layerwise.slot_gates
             self.layerwise.set_extra_slot_parts(self._remote_parts)
         self.remote = RemoteD2HConnector(
             _sub_config(vllm_config, self.options.remote, "RemoteD2HConnector"), role,

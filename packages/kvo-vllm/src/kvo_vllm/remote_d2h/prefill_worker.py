@@ -9,8 +9,14 @@ before), the step's chunks of that layer are published to the decode ranks; the 
 the layer's part of the slot gate (buffer reuse) and, after a request's last layer, its
 completion (its blocks may be freed).
 
+Buffer reuse: with a slot-gate table (KvoMultiConnector gives the layerwise pipeline's), each
+layer's reads are one part of the round the layer pipeline closes on the buffer: the sender
+announces the part ``remote:STEP:LAYER:DECODE_TP`` before publishing (the answers may beat the
+round) and its publisher joins the per-endpoint reads into it (kvo_core.gates). Without one
+(RemoteD2H alone) nothing reuses the buffers and no slot is reported.
+
 Fences (kvo_transport.fence): the sender's epoch words are registered with its engine and
-shared by its publishers; a joined gate table advances a slot's word when a round fails (before
+shared by its publishers; the gate table advances a slot's word when a round fails (before
 the layer pipeline may overwrite the buffer), and ``finished_sending`` releases a request's word
 before vLLM gets its blocks back, so a decode still reading them refuses what it read.
 
@@ -38,7 +44,6 @@ from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, Ten
 from kvo_transport.engine import TransferEngine
 from kvo_transport.fence import FenceWords
 from kvo_transport.frame_auth import control_key
-from kvo_vllm.remote_d2h.gates import JoinedSlotGates, ReadPartsForwarder
 from kvo_vllm.remote_d2h.kv_caches import (
     block_bytes,
     describe_kv_caches,
@@ -86,8 +91,7 @@ class PrefillSender:
         self.tp_size = tp_size
         self.instance_id = instance_id
         self.stats = PrefillStats()
-        self._joined = gates if isinstance(gates, JoinedSlotGates) else None
-        self._forwarder = ReadPartsForwarder(gates)
+        self._gates = gates
         self._tracker = RequestCompletionTracker()
         self._engine: TransferEngine | None = None
         self._fences: FenceWords | None = None
@@ -143,8 +147,8 @@ class PrefillSender:
             engine.register(start, end - start)
         self._engine = engine
         self._fences = FenceWords(engine=engine)
-        if self._joined is not None:  # a failed round advances the slot's word before reuse
-            self._joined.attach_fence(self._fences)
+        if self._gates is not None:  # a failed round advances the slot's word before reuse
+            self._gates.attach_fence(self._fences)
         self._layers = tuple(metas)
         self._block_bytes = layout.main_block_bytes
         self._indexer_block_bytes = layout.indexer_block_bytes or 0
@@ -162,14 +166,14 @@ class PrefillSender:
                 publisher = PrefillPublisher.for_engine(
                     self._engine, instance_id=self.instance_id, prefill_tp=self.tp_size,
                     p_rank=self.tp_rank, decode_tp=decode_tp, layers=self._layers,
-                    gates=self._forwarder, fences=self._fences, tracker=self._tracker,
+                    gates=self._gates, fences=self._fences, tracker=self._tracker,
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     layer_deadline_s=self.config.layer_deadline_s,
                     request_part=REQUEST_PART, control_secret=self.config.control_secret)
-                if self._joined is not None and not self._publishers:
-                    # The layer pipeline waits on the joined gates: let it handle the decode's
+                if self._gates is not None and not self._publishers:
+                    # The layer pipeline waits on these gates: let it handle the decode's
                     # answers itself (one thread hand-off less per layer; see GatePump).
-                    self._joined.attach_pump(publisher)
+                    self._gates.attach_pump(publisher)
                 self._publishers[decode_tp] = publisher
             return publisher
 
@@ -249,19 +253,19 @@ class PrefillSender:
         parts = []
         for decode_tp, chunks in by_tp.items():
             part = f"remote:{self._step}:{index}:{decode_tp}"
-            if self._joined is not None:
-                self._joined.announce(key, part)
-            self._forwarder.target_next(key, part)
+            if self._gates is not None:
+                self._gates.announce(key, part)
             try:
-                self._publish(decode_tp, index, key, chunks, last_layer)
+                self._publish(decode_tp, index, key, chunks, last_layer,
+                              part if self._gates is not None else None)
             except Exception as error:
                 logger.error("kvo remote_d2h: publishing layer %s failed: %s", layer_name, error)
                 for chunk in chunks:
                     send = self._sends.get(chunk.transfer_id)
                     if send is not None:
                         self._give_up(send, f"publish failed: {error}")
-                if self._joined is not None:  # nothing reads the buffer for this part
-                    self._joined.mark_done(key, part)
+                if self._gates is not None:  # nothing reads the buffer for this part
+                    self._gates.mark_done(key, part)
             parts.append(part)
         return parts
 
@@ -276,7 +280,7 @@ class PrefillSender:
             self._give_up(send, reason)
 
     def _publish(self, decode_tp: int, index: int, key: SlotKey, chunks: list[SendChunk],
-                 last_layer: bool) -> None:
+                 last_layer: bool, slot_part: str | None) -> None:
         publisher = self._publisher(decode_tp)
         by_endpoint: dict[str, list[ReadyRequest]] = {}
         blocks = 0
@@ -291,7 +295,8 @@ class PrefillSender:
             published += (len(ready.main_block_ids) * self._block_bytes
                           + len(ready.indexer_block_ids) * self._indexer_block_bytes)
         last = [c.transfer_id for c in chunks if c.last] if last_layer else []
-        publisher.publish_layer(index, key, by_endpoint, last_layer_request_ids=last)
+        publisher.publish_layer(index, key, by_endpoint, last_layer_request_ids=last,
+                                slot_part=slot_part)
         now = time.monotonic()
         with self._lock:
             for chunk in chunks:
@@ -379,11 +384,12 @@ class PrefillSender:
         return {"role": "prefill", **attrs.asdict(self.stats),
                 "layer_bases": {str(i): base for i, base in sorted(self._bases.items())},
                 "in_flight_sends": len(self._sends),
-                "in_flight_reads": self._forwarder.in_flight()}
+                "in_flight_reads": sum(p.reads_in_flight()
+                                       for p in list(self._publishers.values()))}
 
     def close(self) -> None:
-        if self._joined is not None:
-            self._joined.attach_pump(None)
+        if self._gates is not None:
+            self._gates.attach_pump(None)
         for publisher in list(self._publishers.values()):
             publisher.close()
         self._publishers.clear()
