@@ -68,6 +68,9 @@ class _Send:
     failure: str | None = None
     give_up_at: float | None = None
     """Set when the request cannot complete normally: report it done at this time."""
+    counted: bool = False
+    """Its transfer's failure is already in ``sends_failed`` (a later chunk of a failed
+    transfer: one failure per transfer, not one per chunk)."""
 
 
 @attrs.define
@@ -208,6 +211,7 @@ class PrefillSender:
                 if failure is not None:  # an earlier chunk failed: the decode gave up
                     send.failure = failure
                     send.give_up_at = time.monotonic()
+                    send.counted = True
             return send
 
     def _connect(self, chunk: SendChunk, send: _Send) -> bool:
@@ -359,7 +363,7 @@ class PrefillSender:
                 if send is not None:
                     self._done.add(send.request_id)
                     if failure is not None:
-                        self.stats.sends_failed += 1
+                        self.stats.sends_failed += 0 if send.counted else 1
                         logger.warning("kvo remote_d2h: sending request %s failed: %s",
                                        send.request_id, failure)
                     else:
@@ -368,7 +372,7 @@ class PrefillSender:
                 if send.give_up_at is not None and now >= send.give_up_at:
                     del self._sends[transfer_id]
                     self._done.add(send.request_id)
-                    self.stats.sends_failed += 1
+                    self.stats.sends_failed += 0 if send.counted else 1
             ready = self._done & self._vllm_finished
             self._done -= ready
             self._vllm_finished -= ready
