@@ -20,12 +20,11 @@ from typing import Any
 
 import attrs
 
+from kvo_core.config import MIN_SEGMENT_BYTES, MOONCAKE_PROTOCOLS  # one owner: kvo-core's config
 from kvo_core.errors import ConfigError
 from kvo_transport.buffer_store import BufferStore, guarded
 from kvo_transport.errors import StoreError, StoreUnavailableError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
-
-MIN_SEGMENT_BYTES = 16 << 20
 
 # Mooncake Store ErrorCode values (mooncake-store/include/types.h) that kvo reports by name.
 MOONCAKE_STORE_ERRORS = {
@@ -98,9 +97,10 @@ class MooncakeStoreOptions:
                     f"mooncake store option {name}={value!r} must be an int >= {MIN_SEGMENT_BYTES} "
                     "(16 MiB; Mooncake rejects smaller segments)"
                 )
-        if made.protocol not in ("tcp", "rdma"):
+        if made.protocol not in MOONCAKE_PROTOCOLS:
             raise ConfigError(
-                f"mooncake store option protocol={made.protocol!r}; allowed: tcp, rdma"
+                f"mooncake store option protocol={made.protocol!r}; allowed: "
+                f"{', '.join(MOONCAKE_PROTOCOLS)}"
             )
         if not made.remove_timeout_s > 0:
             raise ConfigError(
