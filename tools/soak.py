@@ -7,6 +7,9 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
 
 - ``failed_read``: the decode's next engine reads fail (its test-only fault file);
 - ``slow_read``: every decode read first sleeps 0.3 s (slow, within the layer deadline);
+- ``lost_ack``: the decode's next READ_DONE is dropped on its way to the prefill (its fault
+  file; the frame is never sent): the decode has the layer, the prefill hears nothing and fails
+  the READY at its layer deadline (10 s here);
 - ``bad_frames``: forged, replayed-looking, MAC-less and garbage frames hit the decode's control
   socket from a raw ZMQ peer while the request runs;
 - ``bad_notify``: unsigned and forged POSTs hit the proxy's notify endpoint;
@@ -59,8 +62,8 @@ MAX_TOKENS = 6
 SECRET = "soak control secret, test only"
 TEXT = ("A soak sends many requests while things break underneath; every answer must be the "
         "plain answer or a clean failure. ")
-FAULTS = ("failed_read", "slow_read", "bad_frames", "bad_notify", "master_killed",
-          "decode_killed")
+FAULTS = ("failed_read", "slow_read", "lost_ack", "bad_frames", "bad_notify",
+          "master_killed", "decode_killed")
 
 
 def _prompts(count: int) -> list[str]:
@@ -236,8 +239,9 @@ def _one(deployment: Deployment, prompt: str, fault: str | None, args: argparse.
     def send() -> Answer:
         return complete(deployment.proxy.url or "", body, timeout_s=args.timeout)
 
-    if fault in ("failed_read", "slow_read"):
-        setting = {"fail_reads": 2} if fault == "failed_read" else {"stall_reads_s": 0.3}
+    if fault in ("failed_read", "slow_read", "lost_ack"):
+        setting = {"failed_read": {"fail_reads": 2}, "slow_read": {"stall_reads_s": 0.3},
+                   "lost_ack": {"drop_acks": 1}}[fault]
         deployment.faults_file.write_text(json.dumps(setting))
         time.sleep(0.3)  # the decode reads its fault file when it changes
         try:

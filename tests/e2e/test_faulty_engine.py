@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from pd.faulty_engine import CORRUPT_BYTE, wrap
 
+from kvo_transport.decode_side import DecodeReceiver
 from kvo_transport.errors import TransferError
+from kvo_transport.protocol import PROTOCOL_VERSION, ReadDone, ReadFailed
 
 BLOCK = 64
 
@@ -48,7 +50,8 @@ def test_faults_follow_the_control_file_and_touch_only_layer_reads(tmp_path: Pat
     assert memory.raw[BLOCK:2 * BLOCK] == bytes([CORRUPT_BYTE]) * BLOCK
     faulty.read("p", [base + 4 * BLOCK], [1], [8])  # not a layer (a fence word): untouched
     assert memory.raw[4 * BLOCK:] == bytes(8)
-    assert faulty.snapshot() == {"injected_failures": 1, "corrupted_bytes": BLOCK}
+    assert faulty.snapshot() == {"injected_failures": 1, "corrupted_bytes": BLOCK,
+                                 "dropped_acks": 0}
     control.write_text(json.dumps({"fail_reads": 2, "corrupt_reads": False, "extra": 1}))
     faulty.read("p", [base], [1], [BLOCK])  # a bad control file is ignored, faults kept
     assert fake.reads == 4
@@ -75,3 +78,39 @@ def test_corruption_can_be_limited_to_one_part(tmp_path: Path) -> None:
     control.write_text(json.dumps({"corrupt_reads": True, "corrupt_part": "scale"}))
     faulty.read("p", [base], [1], [BLOCK])  # refused control file: the old faults stay
     assert memory.raw[:BLOCK] == bytes(BLOCK)
+
+
+class SealRecorder:
+    """The ``_auth`` of a stand-in receiver: records what the real ``_reply`` seals."""
+
+    def __init__(self) -> None:
+        self.sealed: list[bytes] = []
+
+    def seal(self, identity: bytes, payload: bytes) -> None:
+        self.sealed.append(payload)  # None: "no session", so nothing is sent
+
+
+class StandInReceiver:
+    endpoint = "tcp://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self._auth = SealRecorder()
+
+
+def test_read_done_answers_are_dropped_as_the_control_file_says(tmp_path: Path) -> None:
+    control = tmp_path / "faults.json"
+    control.write_text(json.dumps({"drop_acks": 1}))
+    wrap(FakeEngine(), [], control_file=str(control))
+    faulty = wrap(FakeEngine(), [], control_file=str(control))  # the dropper is installed once
+    receiver = StandInReceiver()
+    done = ReadDone(version=PROTOCOL_VERSION, seq=3, layer_index=0, bytes_read=64)
+    failed = ReadFailed(version=PROTOCOL_VERSION, seq=4, layer_index=1, reason="x")
+    reply = DecodeReceiver._reply
+    reply(receiver, b"peer", failed)  # type: ignore[arg-type]  # only READ_DONE is dropped
+    reply(receiver, b"peer", done)  # type: ignore[arg-type]  # dropped: never sealed
+    reply(receiver, b"peer", done)  # type: ignore[arg-type]  # one drop asked: sent
+    assert len(receiver._auth.sealed) == 2
+    assert faulty.snapshot()["dropped_acks"] == 1
+    control.write_text(json.dumps({"drop_acks": 2, "fail_reads": 0}))
+    reply(receiver, b"peer", done)  # type: ignore[arg-type]
+    assert len(receiver._auth.sealed) == 2 and faulty.snapshot()["dropped_acks"] == 2

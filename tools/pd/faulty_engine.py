@@ -7,12 +7,15 @@ A decode vLLM server started by the end-to-end tests or the soak gets (``cluster
 
 with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there). The control file holds
 ``{"corrupt_reads": bool, "corrupt_part": "kv" | "idx" | null, "fail_reads": int,
-"stall_reads_s": seconds}`` and is re-read whenever it changes, so a test can switch faults on
-and off in a running server: corrupt every pulled byte range after it arrived (only those that
-land in one part's caches, main KV ``kv`` or indexer ``idx``, when ``corrupt_part`` names it),
-fail the next N engine reads, or stall every read (a decode that is slow or stops answering).
+"stall_reads_s": seconds, "drop_acks": int}`` and is re-read whenever it changes, so a test can
+switch faults on and off in a running server: corrupt every pulled byte range after it arrived
+(only those that land in one part's caches, main KV ``kv`` or indexer ``idx``, when
+``corrupt_part`` names it), fail the next N engine reads, stall every read (a decode that is slow
+or stops answering), or drop the next N READ_DONE answers on their way to the prefill (a lost
+acknowledgement: the decode read and accepted the layer, the prefill never hears of it).
 Only reads into the KV layers are touched, never the fence words a read checks afterwards.
-Production code never imports this module.
+The dropped answers are the one fault outside the engine: ``wrap`` wraps the decode process's
+``DecodeReceiver._reply`` (the frame is never sent). Production code never imports this module.
 """
 
 from __future__ import annotations
@@ -44,18 +47,22 @@ class Faults:
     corrupt_part: str | None = None
     fail_reads: int = 0
     stall_reads_s: float = 0.0
+    drop_acks: int = 0
 
     @classmethod
     def from_value(cls, value: Any) -> Faults:
         if not isinstance(value, Mapping):
             raise ValueError(f"faults must be a mapping, got {value!r}")
         unknown = sorted(set(value) - {"corrupt_reads", "corrupt_part", "fail_reads",
-                                       "stall_reads_s"})
+                                       "stall_reads_s", "drop_acks"})
         if unknown:
             raise ValueError(f"unknown fault key(s) {unknown}")
         corrupt, fail = value.get("corrupt_reads", False), value.get("fail_reads", 0)
         stall = value.get("stall_reads_s", 0.0)
         part = value.get("corrupt_part")
+        drop = value.get("drop_acks", 0)
+        if not isinstance(drop, int) or isinstance(drop, bool) or drop < 0:
+            raise ValueError(f"drop_acks must be an integer >= 0, got {drop!r}")
         if part not in (None, "kv", "idx"):
             raise ValueError(f"corrupt_part must be 'kv', 'idx' or null, got {part!r}")
         if not isinstance(corrupt, bool):
@@ -65,7 +72,7 @@ class Faults:
         if not isinstance(stall, int | float) or isinstance(stall, bool) or not 0 <= stall <= 600:
             raise ValueError(f"stall_reads_s must be seconds in [0, 600], got {stall!r}")
         return cls(corrupt_reads=corrupt, corrupt_part=part, fail_reads=fail,
-                   stall_reads_s=float(stall))
+                   stall_reads_s=float(stall), drop_acks=drop)
 
 
 class FaultyEngine:
@@ -80,6 +87,8 @@ class FaultyEngine:
         self._stamp: tuple[int, int] | None = None
         self._faults = Faults()
         self._failures_left = 0
+        self._acks_to_drop = 0
+        self.dropped_acks = 0
         self._lock = threading.Lock()
         self.injected_failures = 0
         self.corrupted_bytes = 0
@@ -102,7 +111,17 @@ class FaultyEngine:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {"injected_failures": self.injected_failures,
-                    "corrupted_bytes": self.corrupted_bytes}
+                    "corrupted_bytes": self.corrupted_bytes, "dropped_acks": self.dropped_acks}
+
+    def take_ack_drop(self) -> bool:
+        """Whether the READ_DONE about to be sent is to be lost (counts it)."""
+        with self._lock:
+            self._reload()
+            if self._acks_to_drop <= 0:
+                return False
+            self._acks_to_drop -= 1
+            self.dropped_acks += 1
+            return True
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
@@ -155,9 +174,46 @@ class FaultyEngine:
             return
         self._faults = faults
         self._failures_left = faults.fail_reads
+        self._acks_to_drop = faults.drop_acks
         logger.warning("kvo fault injection now: %s", faults)
 
 
+_ACTIVE: FaultyEngine | None = None
+"""The faulty engine of this decode process (the one the answer dropper asks)."""
+
+
+def drop_this_answer(message: object) -> bool:
+    """True when ``message`` is a READ_DONE the control file says to lose."""
+    from kvo_transport.protocol import ReadDone
+
+    engine = _ACTIVE
+    if not isinstance(message, ReadDone) or engine is None or not engine.take_ack_drop():
+        return False
+    logger.warning("kvo fault injection: READ_DONE seq %d (layer %d) dropped on its way",
+                   message.seq, message.layer_index)
+    return True
+
+
+def _install_answer_dropper() -> None:
+    """Wrap DecodeReceiver._reply once per process: a dropped READ_DONE is never sent."""
+    from kvo_transport.decode_side import DecodeReceiver
+
+    original = DecodeReceiver._reply
+    if getattr(original, "kvo_fault_injection", False):
+        return
+
+    def _reply(self: DecodeReceiver, identity: bytes, message: Any) -> None:
+        if drop_this_answer(message):
+            return
+        original(self, identity, message)
+
+    _reply.kvo_fault_injection = True  # type: ignore[attr-defined]
+    DecodeReceiver._reply = _reply  # type: ignore[method-assign]
+
+
 def wrap(engine: TransferEngine, layers: Sequence[Any], *, control_file: str) -> FaultyEngine:
-    """The ``engine_wrapper`` factory."""
-    return FaultyEngine(engine, layers, control_file)
+    """The ``engine_wrapper`` factory (also installs the READ_DONE dropper)."""
+    global _ACTIVE
+    _ACTIVE = FaultyEngine(engine, layers, control_file)
+    _install_answer_dropper()
+    return _ACTIVE

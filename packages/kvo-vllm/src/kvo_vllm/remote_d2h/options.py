@@ -6,7 +6,7 @@
   benchmark read it; vLLM runs the connector in another process);
 - ``engine_wrapper``: ``{"factory": "module:callable", "options": {...}}``, a callable that
   wraps decode's transfer engine (``EngineWrapperSpec``). kvo ships none; the end-to-end tests
-  use it to inject faults (tests/e2e/faulty_engine.py) into a running server.
+  use it to inject faults (tools/pd/faulty_engine.py) into a running server.
 """
 
 from __future__ import annotations
