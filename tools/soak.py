@@ -18,7 +18,9 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
 - ``decode_killed``: the decode vLLM is killed while the request runs, then restarted (at most
   ``--max-decode-kills`` times: a restart takes a minute here).
 
-Each answer is compared with the plain vLLM's answer to the same prompt (token ids): identical,
+A faulted request gets a prompt of its own (the request number in front): a prompt the decode
+has cached would need no pull, and a read fault would then never bite. Each answer is compared
+with the plain vLLM's answer to the same prompt (token ids): identical,
 failed cleanly (an error status), wrong (a different answer: must be 0) or hung (no answer
 within ``--timeout``: must be 0). A prefill or decode that dies without being killed by the soak
 is counted (``crashes``), its log tail kept in the JSON, and restarted so the soak goes on.
@@ -62,6 +64,7 @@ MAX_TOKENS = 6
 SECRET = "soak control secret, test only"
 TEXT = ("A soak sends many requests while things break underneath; every answer must be the "
         "plain answer or a clean failure. ")
+OUTCOMES = ("identical", "failed_cleanly", "wrong", "hung")
 FAULTS = ("failed_read", "slow_read", "lost_ack", "bad_frames", "bad_notify",
           "master_killed", "decode_killed")
 
@@ -183,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_llama(workdir / "model", num_layers=NUM_LAYERS)
     counts: collections.Counter[str] = collections.Counter()
     faults: collections.Counter[str] = collections.Counter()
+    by_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     wrong_examples: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
     with stopping_on_signals(), Cluster(workdir / "logs") as cluster:
@@ -202,6 +206,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fault = rng.choice(FAULTS) if rng.random() < args.fault_rate else None
                 if fault == "decode_killed" and faults["decode_killed"] >= args.max_decode_kills:
                     fault = "failed_read"
+                if fault is not None:  # its own prompt: nothing of it is cached anywhere
+                    prompt = f"request {i} under fault {fault}. {prompt}"
+                    answer = complete(deployment.plain.url or "", completion_body(
+                        prompt, MAX_TOKENS, stream=False), timeout_s=args.timeout)
+                    assert answer.ok, answer.error
+                    reference[prompt] = answer.token_ids
                 answer = _one(deployment, prompt, fault, args, rng)
                 if fault is not None:
                     faults[fault] += 1
@@ -216,6 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     outcome = "failed_cleanly"
                 counts[outcome] += 1
+                by_fault[fault or "none"][outcome] += 1
                 for name, tail in deployment.restart_dead():
                     crashes.append({"i": i, "process": name, "fault": fault, "log_tail": tail})
                     print(f"  {name} died on its own at request {i} (fault {fault}); restarted",
@@ -228,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"requests": args.requests, "faults": dict(faults),
             "identical": counts["identical"], "failed_cleanly": counts["failed_cleanly"],
             "wrong": counts["wrong"], "hung": counts["hung"], "crashes": len(crashes),
+            "by_fault": {kind: dict(outcomes) for kind, outcomes in by_fault.items()},
             "crash_details": crashes, "wrong_examples": wrong_examples,
             "workdir": str(workdir)}
 
@@ -306,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("identical", "failed_cleanly", "wrong", "hung"):
         print(f"{'answers ' + key:<28}{result[key]:>6}")
     print(f"{'engines died on their own':<28}{result['crashes']:>6}")
+    print()
+    print(f"{'fault':<16}" + "".join(f"{key:>16}" for key in OUTCOMES))
+    for kind in ("none", *FAULTS):
+        outcomes = result["by_fault"].get(kind, {})
+        print(f"{kind:<16}" + "".join(f"{outcomes.get(key, 0):>16}" for key in OUTCOMES))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if result["wrong"] == result["hung"] == result["crashes"] == 0 else 1
