@@ -6,7 +6,10 @@ backend in resident mode and ``KvoMultiConnector`` (layers in 3 reused buffers, 
 Mooncake store, published per layer), and a decode in kvo's offload mode (main KV in its host
 pool, the indexer cache on the device) with ``RemoteD2HConnector``: per layer it pulls the main
 KV into the pool rows of the request's vLLM blocks and the indexer keys into its device indexer
-cache. A test's fault injection sits on decode's transfer engine.
+cache. A test's fault injection sits on decode's transfer engine. A second prefill runs TP 2
+(``mp`` executor, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, ``RemoteD2HConnector`` alone) behind its
+own proxy and feeds the same TP 1 decode: member 0 sends the main KV, the two members split
+the indexer blocks (with one-block chunks one member's share is empty: it still answers).
 
 Reference: the same decode server answering the prompt itself, without P/D (a request without
 ``kv_transfer_params`` is not touched by the connector): the same kvo offload backend, same
@@ -14,7 +17,8 @@ engine. vLLM-CPU disables prefix caching for MLA models, so there is no warm-cac
 engines instead step through prompts in chunks of one block (``--max-num-batched-tokens`` =
 block size) and requests go one at a time, so the P/D decode's tail (the prompt past the pulled
 full blocks) is computed in exactly the step the reference computes it in, over bit-identical
-KV: tokens AND logprobs must be equal.
+KV: tokens AND logprobs must be equal. The TP 2 prefill computes the KV with sharded matmuls,
+which round differently: its answers must give the same tokens, logprobs within 1e-3.
 
 Mooncake listens on every interface, so this runs in a loopback-only network namespace
 (``nox -s e2e`` does that; by hand see ``test_pd.py``).
@@ -45,6 +49,7 @@ BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's st
 MAX_TOKENS = 6
 DEADLINE_S = 30.0
 ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
+TP2_LOGPROB_TOLERANCE = 1e-3
 TEXT = ("A lightning indexer picks the rows each query reads; decode keeps every row in host "
         "memory and copies in only the misses. ")
 
@@ -58,6 +63,7 @@ def _prompt(tag: str, length: int) -> str:
 class Deployment:
     decode: str
     proxy: str
+    tp2_proxy: str
     workdir: Path
 
     def stats(self, name: str) -> dict[str, Any]:
@@ -102,9 +108,23 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 extra_args=[*steps, "--additional-config",
                             json.dumps({"kvo_sparse": {"mode": "offload"}})],
                 max_model_len=2048, block_size=BLOCK_SIZE)
+            tp2 = cluster.start_vllm(
+                "prefill-tp2", model, free_port(), {
+                    "kv_connector": "RemoteD2HConnector",
+                    "kv_connector_module_path": "kvo_vllm.remote_d2h",
+                    "kv_role": "kv_producer", "kv_connector_extra_config": {
+                        "kv_port": kv_port, "layer_deadline_s": DEADLINE_S,
+                        "handshake_timeout_s": DEADLINE_S}},
+                extra_args=[*steps, "--tensor-parallel-size", "2",
+                            "--distributed-executor-backend", "mp"],
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, max_model_len=2048,
+                block_size=BLOCK_SIZE)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
-            wait_healthy([prefill, decode, proxy], 900)
-            yield Deployment(decode=decode.url or "", proxy=proxy.url or "", workdir=workdir)
+            tp2_proxy = cluster.start_proxy(free_port(), tp2.url or "", decode.url or "",
+                                            name="proxy-tp2")
+            wait_healthy([prefill, decode, tp2, proxy, tp2_proxy], 900)
+            yield Deployment(decode=decode.url or "", proxy=proxy.url or "",
+                             tp2_proxy=tp2_proxy.url or "", workdir=workdir)
     finally:
         master.stop()
 
@@ -188,18 +208,21 @@ def test_pd_answers_equal_decode_only_offload(deployment: Deployment) -> None:
     assert scraped() == per_part_bytes
 
 
-def test_corrupted_indexer_pull_changes_the_output(deployment: Deployment) -> None:
-    prompt = _prompt("echo", 700)
+@pytest.mark.parametrize("part", ["idx", "kv"])
+def test_corrupted_pull_of_one_part_changes_the_output(deployment: Deployment,
+                                                      part: str) -> None:
+    """Only the indexer keys (the selection changes) or only the main KV rows in the host
+    pool (what attention reads changes) are damaged in flight: the answer changes."""
+    prompt = _prompt(f"echo-{part}", 700)
     want = _decode_only(deployment, prompt)
     before = _decode_stats(deployment)["engine_wrapper"].get("corrupted_bytes", 0)
-    deployment.set_faults(corrupt_reads=True, corrupt_part="idx")
+    deployment.set_faults(corrupt_reads=True, corrupt_part=part)
     try:
         damaged = _complete(deployment.proxy, prompt)
     finally:
         deployment.set_faults()
     assert damaged.ok, damaged.error
     assert _decode_stats(deployment)["engine_wrapper"]["corrupted_bytes"] > before
-    # Only the indexer keys were damaged: the selection, and so the answer, changed.
     assert damaged.token_ids != want.token_ids
     healed = _complete(deployment.proxy, prompt)
     assert healed.ok, healed.error
@@ -222,3 +245,30 @@ def test_failed_pull_is_recomputed_on_decode(deployment: Deployment) -> None:
     # reference: the same answer.
     assert got.ok, got.error
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+
+
+def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
+    """Three requests in a row: each one's tail step (nothing left to send) once published
+    the spent last chunk again, whose failed READYs fenced off the next request's pull."""
+    before = _decode_stats(deployment)
+    cases = [("golf", 257), ("hotel", 700), ("india", 200)]
+    worst = 0.0
+    for tag, length in cases:
+        prompt = _prompt(tag, length)
+        want = _decode_only(deployment, prompt)
+        got = _complete(deployment.tp2_proxy, prompt)
+        assert got.ok, (tag, got.error)
+        assert got.token_ids == want.token_ids, (tag, got.token_ids, want.token_ids)
+        worst = max([worst, *(abs(a - b) for a, b in zip(got.logprobs, want.logprobs,
+                                                        strict=True))])
+    assert worst < TP2_LOGPROB_TOLERANCE, worst
+    received = before.get("received", 0)
+    after = _settled_stats(deployment, received + len(cases))
+    assert after["received"] - received == len(cases)
+    assert after["failed"] == before.get("failed", 0)
+    assert after["refused_reads"] == before.get("refused_reads", 0)
+    # One copy of the main KV (member 0) and one of the indexer (split between the members).
+    blocks = sum((length - 1) // BLOCK_SIZE for _, length in cases) * NUM_LAYERS
+    grew = {part: after["per_part"][part]["bytes"]
+            - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
+    assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES, "idx": blocks * BLOCK_SIZE * 256}

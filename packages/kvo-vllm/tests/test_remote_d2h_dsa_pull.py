@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -195,4 +196,129 @@ def test_an_indexer_layout_mismatch_is_refused_naming_both(
         assert "decode: bfloat16 keys, indexer_kv_dtype='bfloat16'" in text
     finally:
         sender.close()
+        puller.close()
+
+
+class _HeldReads:
+    """Decode's engine, whose data reads wait until the test lets them through: the decode
+    answers a step's READYs only after the prefill's step is over (a slow decode)."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+        self.open = threading.Event()
+        self.open.set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def read(self, *args: object) -> None:
+        assert self.open.wait(WAIT), "the test never let the decode's reads through"
+        self._engine.read(*args)  # type: ignore[attr-defined]
+
+
+def _vllm_step(senders: list[PrefillSender], metadata: RemoteD2HMetadata,
+               finished: set[str], released: list[set[str]]) -> None:
+    """One prefill step as vLLM drives each TP member's worker: ``start_load_kv`` before the
+    forward only when the step has sends (``build_connector_meta`` asks for it), else after it;
+    ``save_kv_layer`` per layer in the forward; ``get_transfer_results`` at the end (what it
+    releases is added to ``released[rank]``)."""
+    for rank, sender in enumerate(senders):
+        if metadata.has_sends:
+            sender.start_step(metadata)
+        for i in range(LAYERS):
+            sender.publish_layer(main_name(i))
+        if not metadata.has_sends:
+            sender.start_step(metadata)
+        released[rank] |= sender.finished_sending(finished)
+
+
+def _finish_sends(senders: list[PrefillSender], request_id: str,
+                  released: list[set[str]]) -> None:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        for rank, sender in enumerate(senders):
+            released[rank] |= sender.finished_sending(set())
+        if all(request_id in ids for ids in released):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"prefill members never all released {request_id}: {released}, "
+                         f"{[sender.snapshot() for sender in senders]}")
+
+
+def test_tp2_members_publish_a_chunk_once_when_vllm_starts_a_step_after_its_forward(
+        manager: OffloadManager, caplog: pytest.LogCaptureFixture) -> None:
+    """TP 2 prefill -> TP 1 decode with the step order vLLM uses: the request's last chunk
+    is published, the decode answers only after that step ended, and the next step (the
+    prompt's tail: nothing to send, so vLLM calls ``start_load_kv`` after the forward) must
+    not publish the spent chunk again. Before the fix it did: both members' READYs reached a
+    decode that had completed and released the request ("no destination on this decode
+    rank"), and such a READY can also race the fence release of the prefill's blocks."""
+    source = prefill_caches(indexer_row=2 * HEAD_DIM)
+    caches = decode_caches()
+    held: list[_HeldReads] = []
+
+    def hold(engine: object, regions: object) -> _HeldReads:
+        held.append(_HeldReads(engine))
+        return held[-1]
+
+    puller = DecodePuller(config=config(free_port()), tp_rank=0, tp_size=1, dp_rank=0,
+                          engine_wrapper=hold)  # type: ignore[arg-type]
+    puller.register_kv_caches(caches, lambda kv, layout: pool_of(manager, []),
+                              functools.partial(describe_indexer_block, block_size=BS,
+                                                head_dim=HEAD_DIM))
+    senders = [PrefillSender(config=config(free_port()), tp_rank=rank, tp_size=2,
+                             instance_id="prefill-tp2") for rank in range(2)]
+    released: list[set[str]] = [set(), set()]
+    try:
+        for sender in senders:
+            sender.register_kv_caches(source)
+        endpoint = puller.endpoint
+
+        def chunk(transfer_id: str, blocks: tuple[int, ...]) -> RemoteD2HMetadata:
+            return RemoteD2HMetadata(sends=(SendChunk(
+                request_id=f"p-{transfer_id}", transfer_id=transfer_id,
+                decode_endpoints=(endpoint,), start_block=0, block_ids=blocks, last=True),))
+
+        # A first request connects both members (the decode's one thread answers the
+        # handshakes, so it must not be held while they run).
+        puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+            request_id="req-0", transfer_id="t0", block_ids=(5,), skip_blocks=0),)))
+        _vllm_step(senders, chunk("t0", (6,)), {"p-t0"}, released)
+        assert collect_until(puller, "req-0") == set()
+        _finish_sends(senders, "p-t0", released)
+        puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+            request_id="req-1", transfer_id="t1", block_ids=DST_BLOCKS, skip_blocks=0),)))
+        with caplog.at_level(logging.WARNING):
+            held[0].open.clear()
+            _vllm_step(senders, chunk("t1", SRC_BLOCKS), set(), released)  # the last chunk
+            held[0].open.set()
+            assert collect_until(puller, "req-1") == set()  # received, destination released
+            _vllm_step(senders, RemoteD2HMetadata(), {"p-t1"}, released)  # the tail: no sends
+            _finish_sends(senders, "p-t1", released)
+            # A next request through the same connections: answered in order, so every
+            # answer to the steps above has arrived once this one settled.
+            puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+                request_id="req-2", transfer_id="t2", block_ids=(0, 7), skip_blocks=0),)))
+            _vllm_step(senders, chunk("t2", (3, 4)), {"p-t2"}, released)
+            assert collect_until(puller, "req-2") == set()
+            _finish_sends(senders, "p-t2", released)
+        for sender in senders:
+            assert sender.stats.published_layers == 3 * LAYERS, sender.snapshot()
+            assert (sender.stats.sends_done, sender.stats.sends_failed) == (3, 0)
+        assert "no destination" not in caplog.text
+        stats = puller.snapshot()
+        assert (stats["received"], stats["failed"]) == (3, 0)
+        # Member 0 sent the main KV, the members split the indexer: one copy of each.
+        for i in range(LAYERS):
+            pool = manager.pool_layer(i).view(BLOCKS, BS, ROW)
+            for src, dst in zip((6, *SRC_BLOCKS, 3, 4), (5, *DST_BLOCKS, 0, 7), strict=True):
+                assert torch.equal(pool[dst], source[main_name(i)][src])
+                assert torch.equal(caches[indexer_name(i)][dst], source[indexer_name(i)][src])
+        per_part = stats["per_part"]
+        assert isinstance(per_part, dict)
+        assert per_part["kv"]["bytes"] == LAYERS * 6 * BS * ROW * 4
+        assert per_part["idx"]["bytes"] == LAYERS * 6 * BS * 2 * HEAD_DIM
+    finally:
+        for sender in senders:
+            sender.close()
         puller.close()

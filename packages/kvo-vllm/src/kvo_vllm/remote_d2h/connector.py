@@ -11,8 +11,9 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 and without
-speculative decoding (anything else is refused at start-up until tested).
+(``pool_destination``). With prefill TP ``P`` and decode TP 1, member 0 of the contribution
+group sends the (replicated) main KV and the members split the indexer blocks. Decode TP > 1
+and speculative decoding are refused at start-up for DSA layouts until tested.
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by

@@ -37,7 +37,6 @@ import attrs
 import torch
 
 from kvo_core.config import RemoteD2HConfig
-from kvo_core.errors import ConfigError
 from kvo_core.gates import RequestCompletionTracker, SlotGates, SlotKey
 from kvo_core.tp import TPMapping
 from kvo_transport.control import LayerMeta, PrefillPublisher, ReadyRequest, TensorGroup
@@ -124,11 +123,6 @@ class PrefillSender:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
                            slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
         layout = describe_kv_caches(kv_caches)
-        if layout.has_indexer and self.tp_size > 1:
-            raise ConfigError(
-                f"RemoteD2H hands DSA layouts (main KV + indexer caches) over from prefill TP 1 "
-                f"only so far; this prefill runs TP {self.tp_size} (the indexer split between "
-                f"contribution members is not tested through vLLM yet)")
         engine = transfer_engine_for(self.config, [t for layer in layout.layers
                                                    for _, t in layer.tensors()],
                                      role="Prefill", tp_rank=self.tp_rank)
@@ -351,7 +345,16 @@ class PrefillSender:
                     send.failure = error
 
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Request ids vLLM finished whose sends are all answered (their blocks may go)."""
+        """Request ids vLLM finished whose sends are all answered (their blocks may go).
+
+        vLLM calls this once per step, after the forward: the step's chunks are spent here.
+        On a step without sends vLLM runs ``start_load_kv`` (``start_step``) only after the
+        forward, so chunks kept past this point would be published again by that step's
+        ``save_kv_layer`` calls: READYs for blocks already handed over, reaching a decode
+        that may have completed (and released) the request, or racing the fence release of
+        its blocks.
+        """
+        self._chunks = ()
         self._drain_tracker()
         now = time.monotonic()
         with self._lock:
