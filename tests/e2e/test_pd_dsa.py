@@ -10,6 +10,9 @@ cache. A test's fault injection sits on decode's transfer engine. A second prefi
 (``mp`` executor, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, ``RemoteD2HConnector`` alone) behind its
 own proxy and feeds the same TP 1 decode: member 0 sends the main KV, the two members split
 the indexer blocks (with one-block chunks one member's share is empty: it still answers).
+A third decode keeps its indexer cache in C8 (int8 keys + fp16 scale) behind a proxy from the
+bf16 prefill: the layout mismatch. The last test kills the main decode mid-request and starts a
+new one (one more vLLM start, ~60-100 s on 2 cores) that the same prefill then serves.
 
 Reference: the same decode server answering the prompt itself, without P/D (a request without
 ``kv_transfer_params`` is not touched by the connector): the same kvo offload backend, same
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -61,10 +65,19 @@ def _prompt(tag: str, length: int) -> str:
 
 @attrs.frozen
 class Deployment:
+    prefill: str
     decode: str
     proxy: str
     tp2_proxy: str
+    c8_decode: str
+    c8_proxy: str
     workdir: Path
+    cluster: Any
+    model: Path
+    steps: tuple[str, ...]
+
+    def managed(self, name: str) -> Any:
+        return next(p for p in self.cluster.processes if p.name == name)
 
     def stats(self, name: str) -> dict[str, Any]:
         from kvo_vllm.remote_d2h.stats_file import read_stats
@@ -119,28 +132,59 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                             "--distributed-executor-backend", "mp"],
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, max_model_len=2048,
                 block_size=BLOCK_SIZE)
+            # A decode whose indexer cache is C8 (int8 keys + fp16 scale): the bf16 prefill's
+            # layout does not match it.
+            c8 = cluster.start_vllm(
+                "decode-c8", model, free_port(), decode_transfer_config(
+                    free_port(), layer_deadline_s=DEADLINE_S),
+                extra_args=[*steps, "--additional-config", json.dumps(
+                    {"kvo_sparse": {"mode": "offload", "indexer_kv_dtype": "int8"}})],
+                max_model_len=2048, block_size=BLOCK_SIZE)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             tp2_proxy = cluster.start_proxy(free_port(), tp2.url or "", decode.url or "",
                                             name="proxy-tp2")
-            wait_healthy([prefill, decode, tp2, proxy, tp2_proxy], 900)
-            yield Deployment(decode=decode.url or "", proxy=proxy.url or "",
-                             tp2_proxy=tp2_proxy.url or "", workdir=workdir)
+            c8_proxy = cluster.start_proxy(free_port(), prefill.url or "", c8.url or "",
+                                           name="proxy-c8")
+            wait_healthy([prefill, decode, tp2, c8, proxy, tp2_proxy, c8_proxy], 900)
+            yield Deployment(prefill=prefill.url or "", decode=decode.url or "",
+                             proxy=proxy.url or "", tp2_proxy=tp2_proxy.url or "",
+                             c8_decode=c8.url or "", c8_proxy=c8_proxy.url or "",
+                             workdir=workdir, cluster=cluster, model=model, steps=tuple(steps))
     finally:
         master.stop()
 
 
-def _complete(url: str, prompt: str, stream: bool = False) -> Any:
+def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False) -> Any:
     from pd.client import complete, completion_body
 
-    answer = complete(url, completion_body(prompt, MAX_TOKENS, stream=stream), timeout_s=300)
-    return answer
+    return complete(url, completion_body(prompt, MAX_TOKENS, stream=stream, chat=chat),
+                    timeout_s=300)
 
 
-def _decode_only(deployment: Deployment, prompt: str) -> Any:
+def _decode_only(deployment: Deployment, prompt: str, chat: bool = False) -> Any:
     """The decode engine's own answer (no P/D): the reference."""
-    answer = _complete(deployment.decode, prompt)
+    answer = _complete(deployment.decode, prompt, chat=chat)
     assert answer.ok, answer.error
     return answer
+
+
+def _eventually(probe: Any, timeout_s: float = 30.0) -> Any:
+    """Poll ``probe()`` until it returns something true (the stats files lag a step)."""
+    limit = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value or time.monotonic() > limit:
+            return value
+        time.sleep(0.25)
+
+
+def _prefill_stats(deployment: Deployment) -> dict[str, Any]:
+    return dict(deployment.stats("prefill"))
+
+
+def _healthy(url: str) -> bool:
+    with urllib.request.urlopen(url + "/health", timeout=30) as reply:
+        return bool(reply.status == 200)
 
 
 def _decode_stats(deployment: Deployment) -> dict[str, Any]:
@@ -247,6 +291,78 @@ def test_failed_pull_is_recomputed_on_decode(deployment: Deployment) -> None:
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
 
 
+def test_chat_through_the_proxy_equals_decode_only(deployment: Deployment) -> None:
+    before = _decode_stats(deployment)
+    cases = [("juliett", 300, False), ("kilo", 800, True)]
+    for tag, length, stream in cases:
+        prompt = _prompt(tag, length)
+        want = _decode_only(deployment, prompt, chat=True)
+        got = _complete(deployment.proxy, prompt, stream=stream, chat=True)
+        assert got.ok, (tag, got.error)
+        assert len(got.token_ids) == MAX_TOKENS
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, tag
+    received = before.get("received", 0)
+    after = _settled_stats(deployment, received + len(cases))
+    assert after["received"] - received == len(cases)  # both pulled, not computed on decode
+    assert after["failed"] == before.get("failed", 0)
+
+
+def test_store_prefix_hit_gives_the_same_answer(deployment: Deployment) -> None:
+    """The same prompt twice through the P/D pair: the second prefill takes the prompt's
+    blocks from the Mooncake store (vLLM-CPU has no prefix cache for MLA), hands them to
+    decode, and the answer is still the decode's own."""
+    prompt = _prompt("lima", 700)
+    want = _decode_only(deployment, prompt)
+    first = _complete(deployment.proxy, prompt)
+    assert first.ok, first.error
+    assert first.token_ids == want.token_ids and first.logprobs == want.logprobs
+    # Once the first request's sends are over the file holds every load of it.
+    settled = _eventually(lambda: _prefill_stats(deployment)["remote"]["prefill"][
+        "in_flight_sends"] == 0 and _prefill_stats(deployment))
+    assert settled, _prefill_stats(deployment)
+    loaded_before = int(settled["layerwise"]["loaded_blocks_by_layer"].get("0", 0))
+    failed_before = settled["layerwise"]["failed_loads"]
+    decode_before = _decode_stats(deployment)
+    again = _complete(deployment.proxy, prompt)
+    assert again.ok, again.error
+    assert again.token_ids == want.token_ids and again.logprobs == want.logprobs
+    # Layer 0 owns its buffer: it loads exactly the blocks the store hit covered (the full
+    # blocks of the prompt but the one holding its last token at most).
+    hit = (len(prompt) - 1) // BLOCK_SIZE - 1
+
+    def loaded() -> int:
+        layerwise = _prefill_stats(deployment)["layerwise"]
+        return int(layerwise["loaded_blocks_by_layer"].get("0", 0)) - loaded_before
+
+    assert _eventually(lambda: loaded() >= hit), loaded()
+    assert _prefill_stats(deployment)["layerwise"]["failed_loads"] == failed_before
+    received = decode_before["received"]
+    after = _settled_stats(deployment, received + 1)
+    assert after["received"] == received + 1 and after["failed"] == decode_before["failed"]
+
+
+def test_indexer_layout_mismatch_is_a_502_naming_both(deployment: Deployment) -> None:
+    """bf16 indexer keys on prefill, C8 on decode: the decode refuses the handshake, the proxy
+    answers 502 naming both layouts, and nothing else is disturbed."""
+    started = time.monotonic()
+    got = _complete(deployment.c8_proxy, _prompt("mike", 300))
+    assert time.monotonic() - started < DEADLINE_S  # refused at once, not at a deadline
+    assert got.status == 502, (got.status, got.error)
+    error = got.error or ""
+    assert "rejected the handshake" in error and "indexer tensor 0" in error, error
+    assert "prefill: bfloat16 keys, indexer_kv_dtype='bfloat16'" in error, error
+    assert "decode: C8: int8 keys with their fp16 scale, indexer_kv_dtype='int8'" in error, error
+    # Both engines are alive: the C8 decode answers on its own, the good pair keeps working.
+    assert _healthy(deployment.c8_decode) and _healthy(deployment.prefill)
+    alone = _complete(deployment.c8_decode, _prompt("mike", 300))
+    assert alone.ok and len(alone.token_ids) == MAX_TOKENS, alone.error
+    prompt = _prompt("november", 300)
+    want = _decode_only(deployment, prompt)
+    again = _complete(deployment.proxy, prompt)
+    assert again.ok, again.error
+    assert again.token_ids == want.token_ids and again.logprobs == want.logprobs
+
+
 def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
     """Three requests in a row: each one's tail step (nothing left to send) once published
     the spent last chunk again, whose failed READYs fenced off the next request's pull."""
@@ -272,3 +388,72 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
     grew = {part: after["per_part"][part]["bytes"]
             - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
     assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES, "idx": blocks * BLOCK_SIZE * 256}
+
+
+def _proxy_records(url: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(url + "/kvo/v1/metadata", timeout=10) as reply:
+        return list(json.loads(reply.read())["requests"])
+
+
+def test_decode_killed_mid_request_prefill_recovers(deployment: Deployment) -> None:
+    """Kill decode while the prefill publishes a request to it (the module's last use of that
+    decode): the client gets an error, the prefill's sends and reads end by their deadline,
+    and a new decode started afterwards is served by the same prefill."""
+    from pd.cluster import decode_transfer_config, free_port, wait_healthy
+
+    before = _prefill_stats(deployment)["remote"]["prefill"]
+    seen = len(_proxy_records(deployment.proxy))
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome["answer"] = _complete(deployment.proxy, _prompt("oscar", 1500), stream=True)
+
+    # Decode stalls every read, so the kill lands while prefill still waits for answers.
+    deployment.set_faults(stall_reads_s=DEADLINE_S * 4)
+    client = threading.Thread(target=run)
+    client.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        records = _proxy_records(deployment.proxy)
+        if len(records) > seen and records[seen]["ready_s"] is not None \
+                and _prefill_stats(deployment)["remote"]["prefill"]["published_layers"] \
+                > before["published_layers"]:
+            break
+        time.sleep(0.05)
+    else:
+        deployment.set_faults()
+        pytest.fail("the prefill never published a layer of the request to decode")
+    deployment.managed("decode").kill()
+    deployment.set_faults()
+    client.join(timeout=DEADLINE_S * 4)
+    assert not client.is_alive(), "the client hung after decode died"
+    assert not outcome["answer"].ok  # an error, not a truncated or made-up answer
+
+    def recovered() -> dict[str, Any] | None:
+        prefill = _prefill_stats(deployment)["remote"]["prefill"]
+        done = (prefill["in_flight_sends"] == 0 and prefill["in_flight_reads"] == 0
+                and prefill["sends_failed"] > before["sends_failed"])
+        return prefill if done else None
+
+    # Every READY to the dead decode fails by its deadline; the request's blocks return.
+    assert _eventually(recovered, timeout_s=DEADLINE_S * 3), _prefill_stats(deployment)
+    # A new decode (new ports, its own proxy) is served by the same prefill.
+    cluster = deployment.cluster
+    fresh = cluster.start_vllm(
+        "decode-new", deployment.model, free_port(), decode_transfer_config(
+            free_port(), deployment.workdir / "decode-new-stats.json",
+            layer_deadline_s=DEADLINE_S),
+        extra_args=[*deployment.steps, "--additional-config",
+                    json.dumps({"kvo_sparse": {"mode": "offload"}})],
+        max_model_len=2048, block_size=BLOCK_SIZE)
+    proxy = cluster.start_proxy(free_port(), deployment.prefill, fresh.url or "",
+                                name="proxy-new")
+    wait_healthy([fresh, proxy], 900)
+    prompt = _prompt("papa", 700)
+    want = _complete(fresh.url or "", prompt)
+    got = _complete(proxy.url or "", prompt)
+    assert want.ok and got.ok, (want.error, got.error)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    pulled = _eventually(lambda: deployment.stats("decode-new").get("decode", {}).get(
+        "received", 0) >= 1 and deployment.stats("decode-new")["decode"])
+    assert pulled and pulled["received"] == 1 and pulled["failed"] == 0, pulled
