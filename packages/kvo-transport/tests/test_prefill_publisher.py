@@ -88,3 +88,18 @@ def test_closed_publisher_refuses_work() -> None:
     made.close()  # idempotent
     with pytest.raises(PublisherClosedError, match="is closed"):
         made.connect("tcp://127.0.0.1:9")
+
+
+def test_a_late_failure_never_advances_a_word_now_leased_to_another_request() -> None:
+    """A READY of request t1 fails after t1 released its word and t2 took it: t1's readers
+    already fail (the release advanced the word); advancing it again would fail t2's reads."""
+    fences = FenceWords(4)
+    word = fences.lease("t1")
+    fences.release("t1")
+    assert fences.lease("t2") == word  # the free list hands the word straight out again
+    epoch = fences.epoch(word)
+    fences.advance_leases([("t1", word)])  # the late failure of t1's READY
+    assert fences.epoch(word) == epoch
+    fences.advance_leases([("t2", word)])  # a failure of t2's own READY
+    assert fences.epoch(word) == epoch + 1
+    fences.close()

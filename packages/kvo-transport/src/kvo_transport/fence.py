@@ -35,7 +35,7 @@ import ctypes
 import mmap
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvo_core.gates import SlotKey
@@ -127,11 +127,18 @@ class FenceWords:
                 self._bump(word)
                 self._free.append(word)
 
-    def advance_words(self, words: tuple[int, ...]) -> None:
-        """Advance these words (a READY that will never be answered READ_DONE)."""
+    def advance_leases(self, leases: Iterable[tuple[str, int]]) -> None:
+        """Advance each ``(owner, word)`` whose word is still leased to that owner (a READY of
+        the owner that will never be answered READ_DONE).
+
+        A word its owner released since was advanced by ``release`` after the READY took its
+        epoch, so a reader of that READY fails already; the word may guard another request
+        now, whose reads a second advance would fail for nothing.
+        """
         with self._lock:
-            for word in words:
-                self._bump(word)
+            for owner, word in leases:
+                if self._leases.get(owner) == word:
+                    self._bump(word)
 
     def leased(self) -> int:
         with self._lock:

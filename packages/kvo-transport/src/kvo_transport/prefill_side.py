@@ -710,8 +710,9 @@ class PrefillPublisher:
         A READY that ends without READ_DONE may still be read: its requests' words advance
         first, so whoever frees their blocks on this report frees them fenced.
         """
-        if error is not None:
-            self.fences.advance_words(item.lease_words)
+        if error is not None:  # lease_words follow the READY's request ids, first seen first
+            self.fences.advance_leases(zip(dict.fromkeys(item.request_ids), item.lease_words,
+                                           strict=False))
         if self._gates is None:
             pass
         elif error is None:
