@@ -107,7 +107,7 @@ def pool_of(manager: OffloadManager, noted: list[int]) -> PoolDestination:
                            bases={main_name(i): manager.pool_layer_base(i)
                                   for i in range(LAYERS)},
                            block_bytes=BS * manager.row_bytes, num_blocks=BLOCKS,
-                           note_pulled=note)
+                           note_pulled=note, hot_buffer_bytes=manager.hot_buffer_bytes)
 
 
 def start_puller(manager: OffloadManager, caches: dict[str, torch.Tensor],
@@ -175,6 +175,13 @@ def test_main_kv_lands_in_the_host_pool_and_indexer_in_its_cache(
         assert per_part["kv"]["bytes"] == LAYERS * len(DST_BLOCKS) * BS * ROW * 4
         assert per_part["idx"]["bytes"] == LAYERS * len(DST_BLOCKS) * BS * 2 * HEAD_DIM
         assert sender.stats.published_bytes == per_part["kv"]["bytes"] + per_part["idx"]["bytes"]
+        # Device KV as the demo reports it: the placeholder and the indexer caches vLLM bound,
+        # the hot buffers, against the same blocks' main KV resident on the device.
+        assert stats["device_kv"] == {
+            "main_cache": LAYERS * BLOCKS * BS * 4, "indexer": LAYERS * BLOCKS * BS * 2 * HEAD_DIM,
+            "hot_buffers": manager.hot_buffer_bytes, "host_pool": manager.pool_region[1],
+            "main_resident": LAYERS * BLOCKS * BS * ROW * 4}
+        assert manager.hot_buffer_bytes == LAYERS * 2 * 8 * ROW * 4  # max_rows x capacity rows
     finally:
         sender.close()
         puller.close()

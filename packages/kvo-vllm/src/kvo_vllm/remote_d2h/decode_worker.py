@@ -56,7 +56,7 @@ from kvo_vllm.remote_d2h.kv_caches import (
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
-from kvo_vllm.remote_d2h.pool_destination import PoolDestination
+from kvo_vllm.remote_d2h.pool_destination import PoolDestination, device_kv_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class DecodePuller:
         self._registered: list[int] = []
         self._pool: PoolDestination | None = None
         self._has_indexer = False
+        self._device_kv: dict[str, int] = {}
 
     @property
     def endpoint(self) -> str:
@@ -148,6 +149,7 @@ class DecodePuller:
                 f"so far; this decode runs TP {self.tp_size}")
         self._pool = pool
         self._has_indexer = layout.has_indexer
+        self._device_kv = device_kv_bytes(layout, pool)
         config = self.config
         tensors = [t for layer in layout.layers for _, t in layer.tensors()]
         raw = transfer_engine_for(config, tensors, role="Decode", tp_rank=self.tp_rank)
@@ -382,6 +384,7 @@ class DecodePuller:
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
                 **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
                 "main_into_host_pool": self._pool is not None,
+                "device_kv": dict(self._device_kv),
                 "refused_reads": (0 if self._receiver is None
                                   else self._receiver.destinations.refused_reads),
                 "engine_wrapper": _wrapper_snapshot(engine),

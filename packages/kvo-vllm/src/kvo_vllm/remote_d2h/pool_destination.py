@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from kvo_core.errors import ConfigError
-from kvo_vllm.remote_d2h.kv_caches import KVLayout
+from kvo_vllm.remote_d2h.kv_caches import KVLayout, block_bytes
 
 
 @attrs.frozen(eq=False)
@@ -34,6 +34,8 @@ class PoolDestination:
     num_blocks: int
     note_pulled: Callable[[Iterable[int]], None]
     """Block ids whose rows (every layer) were just written by a pull."""
+    hot_buffer_bytes: int = 0
+    """Device bytes the offload backend keeps for main KV (its hot buffers), for the stats."""
 
 
 def pool_destination(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor],
@@ -57,7 +59,22 @@ def pool_destination(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor],
         bases={layer.name: manager.pool_layer_base(index_of[layer.name])
                for layer in layout.layers},
         block_bytes=manager.block_size * manager.row_bytes, num_blocks=num_blocks,
-        note_pulled=manager.note_blocks_written)
+        note_pulled=manager.note_blocks_written, hot_buffer_bytes=manager.hot_buffer_bytes)
+
+
+def device_kv_bytes(layout: KVLayout, pool: PoolDestination | None) -> dict[str, int]:
+    """What decode's KV costs where, for the stats: vLLM's main caches (a placeholder when
+    main KV lives in the host pool), the indexer caches, the offload hot buffers, the host
+    pool, and the main KV the same blocks would take on the device without offload."""
+    main = sum(int(layer.main.shape[0]) * block_bytes(layer.main) for layer in layout.layers)
+    indexer = sum(int(t.shape[0]) * block_bytes(t) for layer in layout.layers
+                  if (t := layer.indexer) is not None)
+    if pool is None:
+        return {"main_cache": main, "indexer": indexer, "hot_buffers": 0, "host_pool": 0,
+                "main_resident": main}
+    return {"main_cache": main, "indexer": indexer, "hot_buffers": pool.hot_buffer_bytes,
+            "host_pool": pool.region[1],
+            "main_resident": len(pool.bases) * pool.num_blocks * pool.block_bytes}
 
 
 def indexer_block_label(vllm_config: Any) -> Callable[[int], str] | None:
