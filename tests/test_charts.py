@@ -31,7 +31,11 @@ DEMO = {"requests": [{"prompt_tokens": n, "ttft_plain_s": 0.05, "ttft_pd_s": 0.0
         "bytes_moved": {"prefill -> decode (pull)": 3 << 20, "prefill -> store (saves)": 5 << 20,
                         "store -> prefill (loads)": 1 << 20},
         "per_layer_pull": E2E["per_layer_pull"],
-        "prefill_device_kv": {"physical_bytes": 3 << 20, "logical_bytes": 8 << 20}}
+        "prefill_device_kv": {"physical_bytes": 3 << 20, "logical_bytes": 8 << 20},
+        "pulled_per_part": {"main": (3 << 20) * 9 // 10, "indexer": (3 << 20) // 10, "scale": 0},
+        "decode_device_kv": {"with_offload": 1 << 20, "without_offload": 6 << 20},
+        "sparse_offload": {"h2d_bytes": 1 << 20, "full_reload_bytes": 30 << 20,
+                           "hit_rate": 0.3}}
 CAPACITY = {"benchmark": "residency_capacity", "top_k": 4, "trace_source": "fixture",
             "results": residency_capacity.measure({"top_k": 4, "source": "fixture", "layers": [
                 [[0, 1, 2, 3], [0, 1, 4, 5], [2, 3, 6, 7], [0, 1, 2, 3], [4, 5, 6, 8]]]})}
@@ -73,6 +77,18 @@ def test_chart_result_writes_pngs_beside_the_json(tmp_path: Path) -> None:
     written = _charts.chart_result(path)
     assert [p.name for p in written] == ["e2e.png", "e2e-pull.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in written)
+
+
+def test_chart_result_draws_the_dsa_model_beside_the_llama(tmp_path: Path) -> None:
+    path = tmp_path / "e2e.json"
+    dsa = {"model": "dsa", "rows": [{k: v for k, v in row.items() if "peer" not in k}
+                                    for row in E2E["rows"]]}
+    path.write_text(json.dumps({**E2E, "dsa": dsa}))
+    written = _charts.chart_result(path)
+    assert [p.name for p in written] == ["e2e.png", "e2e-dsa.png", "e2e-pull.png"]
+    figure = _charts.latency_figure(dsa)
+    labels = {text.get_text() for text in figure.axes[0].get_legend().get_texts()}
+    assert labels == {"plain", "pd"}
 
 
 def test_capacity_replay_counts_lru_and_optimal_misses() -> None:

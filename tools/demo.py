@@ -1,28 +1,35 @@
-"""kvo's main demo: disaggregated prefill/decode on vLLM (CPU) with layerwise offload.
+"""kvo's main demo: prefill/decode disaggregation of a DeepSeek-V3.2-architecture model on vLLM.
 
 What it does, end to end, with real components only:
 
-1. builds a tiny random Llama (8 layers, byte-level tokenizer; no downloads);
-2. starts a Mooncake master, a plain vLLM (the reference), a prefill vLLM with
-   ``KvoMultiConnector`` (8 layers in 3 reused device buffers, every layer saved to the Mooncake
-   store, each layer published to decode as soon as it is written), a decode vLLM with
-   ``RemoteD2HConnector`` (pulls every layer into its own KV cache) and the kvo proxy;
-3. sends a batch of requests of mixed lengths (streamed and not, completions and chat) to the
-   plain vLLM -- twice: first with a cold prefix cache, then again with the prompts cached --
-   and through the proxy to the P/D pair;
-4. checks that every P/D answer has exactly the tokens and logprobs of the plain answer. The
-   decode starts from the prompt's KV, pulled from the prefill, and computes only the prompt's
-   tail: that is what plain vLLM does with the prompt in its prefix cache, so the P/D answer
-   must equal the plain warm-cache answer bit for bit (and its tokens the cold answer's; the
-   cold logprobs may differ in the 6th digit because a whole-prompt forward reduces attention
-   in another order);
-5. prints a report: prefill KV footprint with and without buffer reuse, bytes per path,
-   per-layer transfer time, TTFT and decode tokens/s against the plain run;
+1. builds a tiny random DeepSeek-V3.2-architecture model (MLA latent 512 + rope 64, lightning
+   indexer, top-k sparse attention; byte-level tokenizer; no downloads), served by vLLM's own
+   ``DeepseekV32ForCausalLM`` with kvo's sparse MLA backend;
+2. starts a Mooncake master, a plain vLLM (the reference: resident, no connector), a prefill vLLM
+   with ``KvoMultiConnector`` (the layers in a few reused device buffers, every layer saved to
+   the Mooncake store, each layer published to decode as soon as it is written), a decode vLLM
+   in kvo's sparse offload mode with ``RemoteD2HConnector`` (per layer it pulls the main KV into
+   its host pool and the indexer keys into its device indexer cache; each decode step copies to
+   the device only the selected rows that are not already there) and the kvo proxy;
+3. sends requests of mixed lengths (up to a few thousand tokens; streamed and not, completions
+   and chat) one at a time to the plain vLLM and through the proxy to the P/D pair;
+4. checks that every P/D answer has exactly the tokens and logprobs of the plain answer. Why
+   they are bit-equal: vLLM-CPU turns prefix caching off for MLA models, so every engine steps
+   through a prompt in chunks of one block (``--max-num-batched-tokens`` = block size), requests
+   go one at a time, and the decode computes the prompt's tail (past the pulled full blocks) in
+   the same step shape as the plain engine, over bit-identical KV; kvo's offload decode does the
+   resident arithmetic on the rows it selects (tests/e2e/test_pd_dsa.py, test_dsa_offload.py);
+5. prints a report (also JSON and a one-page PNG summary): prefill device KV with and without
+   buffer reuse, decode device KV with and without offload, hit rate and bytes host -> device
+   against a full reload, bytes pulled per part (main KV / indexer), per-layer pull time, TTFT
+   and decode tokens/s against the plain run;
 6. stops everything it started (also on Ctrl-C or a failed check).
 
 Run it with ``nox -s demo`` (inside a loopback-only network namespace, which Mooncake needs)
 or as root with ``python tools/demo.py`` (it re-runs itself in such a namespace). Exit code 0:
 every check passed; 1: a check failed; 2: the deployment could not be started.
+
+The dense Llama P/D flow is covered by ``tests/e2e/test_pd.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,13 +61,18 @@ from pd.cluster import (
 )
 
 NUM_LAYERS = 8
+INDEX_TOPK = 32
+BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's step budget
+MAX_MODEL_LEN = 4096
 MAX_TOKENS = 16
-TEXT = ("Layerwise offload keeps a few reusable layer buffers on the device while every layer "
-        "of the KV cache streams to a host store; disaggregated serving hands each layer to the "
-        "decode instance as soon as the prefill wrote it. ")
+TEXT = ("Disaggregated serving of a sparse-attention model: the prefill writes each layer's "
+        "latent KV and indexer keys and publishes them; the decode pulls them into its host "
+        "pool and copies to the device only the rows the lightning indexer selects. ")
 # (prompt length in bytes ~ tokens, streamed?, chat?)
-REQUESTS = [(40, True, False), (90, False, False), (200, True, False), (333, True, False),
-            (520, True, True), (700, False, False), (1000, True, False), (1500, True, False)]
+REQUESTS = [(45, True, False), (257, False, False), (700, True, False), (1100, False, True),
+            (1800, True, False), (3000, True, False)]
+OFFLOAD_SERIES = ("steps", "selected_entries", "hits", "misses", "h2d_bytes",
+                  "full_reload_bytes")
 
 
 class DemoFailure(Exception):
@@ -89,7 +102,7 @@ def bodies(requests: Sequence[tuple[int, bool, bool]]) -> list[dict[str, Any]]:
 
 def model_dir() -> Path:
     base = os.environ.get("KVO_MODEL_DIR") or str(Path.home() / ".cache" / "kvo" / "models")
-    return Path(base) / f"tiny-llama-{NUM_LAYERS}"
+    return Path(base) / f"tiny-dsv32-{NUM_LAYERS}-top{INDEX_TOPK}"
 
 
 def read_stats(path: Path) -> dict[str, Any]:
@@ -98,69 +111,112 @@ def read_stats(path: Path) -> dict[str, Any]:
     return read(path)
 
 
-def run(args: argparse.Namespace, say: Progress) -> int:
-    from models.tiny_llama import build_tiny_llama
+def scrape_offload(url: str) -> dict[str, float]:
+    """The decode's ``vllm:kvo_sparse_offload_*`` counters by short name, summed over labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:kvo_sparse_offload_"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{", 1)[0].removeprefix("vllm:kvo_sparse_offload_")
+        if name.endswith("_created"):
+            continue
+        name = name.removesuffix("_total")
+        values[name] = values.get(name, 0.0) + float(value)
+    return values
 
-    say(f"building the tiny random Llama ({NUM_LAYERS} layers) in {model_dir()}")
-    model = build_tiny_llama(model_dir(), num_layers=NUM_LAYERS)
+
+def settled_offload(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """The offload counters once two scrapes a second apart agree (/metrics lags a little)."""
+    deadline = time.monotonic() + timeout_s
+    last = scrape_offload(url)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = scrape_offload(url)
+        if now == last and now.get("steps", 0) > 0:
+            return now
+        last = now
+    return last
+
+
+def run(args: argparse.Namespace, say: Progress) -> int:
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    say(f"building the tiny random DeepSeek-V3.2-architecture model ({NUM_LAYERS} layers, "
+        f"top-k {INDEX_TOPK}) in {model_dir()}")
+    model = build_tiny_dsv32(model_dir(), num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvo-demo-"))
     prefill_stats, decode_stats = workdir / "prefill-stats.json", workdir / "decode-stats.json"
+    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4"]
+    offload = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
+    shape = {"max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE}
     master = start_master()
     say(f"Mooncake master on {master.address}; logs in {workdir}")
     try:
         with Cluster(workdir) as cluster:
             kv_port = free_port()
-            plain = cluster.start_vllm("plain", model, free_port())
+            plain = cluster.start_vllm("plain", model, free_port(), extra_args=steps, **shape)
             prefill = cluster.start_vllm(
                 "prefill", model, free_port(),
-                prefill_transfer_config(master.address, kv_port, prefill_stats))
-            decode = cluster.start_vllm("decode", model, free_port(),
-                                        decode_transfer_config(kv_port, decode_stats))
+                prefill_transfer_config(master.address, kv_port, prefill_stats),
+                extra_args=steps, **shape)
+            decode = cluster.start_vllm(
+                "decode", model, free_port(), decode_transfer_config(kv_port, decode_stats),
+                extra_args=[*steps, *offload], **shape)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
-            say("starting plain vLLM, prefill vLLM (KvoMultiConnector), decode vLLM "
-                "(RemoteD2HConnector) and the proxy")
+            say("starting plain vLLM (resident, no connector), prefill vLLM (KvoMultiConnector), "
+                "decode vLLM (sparse offload + RemoteD2HConnector) and the proxy")
             try:
                 wait_healthy([proxy, plain, prefill, decode], args.start_timeout, say)
             except ClusterError as error:
                 print(f"\nFAILED to start the deployment: {error}", file=sys.stderr)
                 return 2
-            return exercise(plain.url or "", proxy.url or "", prefill_stats, decode_stats,
-                            args, say)
+            return exercise(plain.url or "", proxy.url or "", decode.url or "", prefill_stats,
+                            decode_stats, say)
     finally:
         master.stop()
 
 
-def exercise(plain_url: str, proxy_url: str, prefill_stats: Path, decode_stats: Path,
-             args: argparse.Namespace, say: Progress) -> int:
+def exercise(plain_url: str, proxy_url: str, decode_url: str, prefill_stats: Path,
+             decode_stats: Path, say: Progress) -> int:
     batch = bodies(REQUESTS)
     say("warming up both paths (one request each; the first P/D pull handshakes)")
     for url in (plain_url, proxy_url):
         warm = complete(url, completion_body("Warm up: " + TEXT, 2, stream=False))
         if not warm.ok:
             raise DemoFailure(f"warm-up request to {url} failed: {warm.error}")
+    before = settled_offload(decode_url)
+    time.sleep(1.5)  # the stats files are rewritten at most once a second
+    prefill_before, decode_before = read_stats(prefill_stats), read_stats(decode_stats)
 
-    say(f"plain vLLM, cold prefix cache: {len(batch)} requests of "
-        f"{min(r[0] for r in REQUESTS)}-{max(r[0] for r in REQUESTS)} prompt tokens, "
-        f"{MAX_TOKENS} tokens each, {args.concurrency} at a time")
+    say(f"plain vLLM: {len(batch)} requests of {min(r[0] for r in REQUESTS)}-"
+        f"{max(r[0] for r in REQUESTS)} prompt tokens, {MAX_TOKENS} tokens each, one at a time")
     started = time.monotonic()
-    cold = complete_all(plain_url, batch, args.concurrency)
+    reference = complete_all(plain_url, batch, 1)
     plain_wall = time.monotonic() - started
-    say("plain vLLM again, prompts now in its prefix cache (the reference answers)")
-    warm = complete_all(plain_url, batch, args.concurrency)
     say(f"P/D through the proxy: the same {len(batch)} requests")
     started = time.monotonic()
-    answers = complete_all(proxy_url, batch, args.concurrency)
+    answers = complete_all(proxy_url, batch, 1)
     pd_wall = time.monotonic() - started
-    time.sleep(1.0)  # let the connectors write their last counters
+    after = settled_offload(decode_url)
+    time.sleep(1.5)  # let the connectors write their last counters
 
     say("checking every P/D answer against the plain answers")
-    # With several requests in flight, chunked prefill may split a prompt differently on the
-    # prefill and on the plain engine, which moves logprobs in the last digits: compare tokens.
-    exact = args.concurrency == 1
-    failures = check(warm, answers, logprobs=exact) + check(cold, answers, logprobs=False)
-    summary = report(cold, answers, plain_wall, pd_wall, read_stats(prefill_stats),
-                     read_stats(decode_stats), len(batch))
+    failures = check(reference, answers)
+    offload = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in OFFLOAD_SERIES}
+    summary = report(reference, answers, plain_wall, pd_wall,
+                     since(read_stats(prefill_stats), prefill_before),
+                     since(read_stats(decode_stats), decode_before), offload)
+    if offload["steps"] <= 0 or offload["selected_entries"] <= 0:
+        failures.append(f"the decode's sparse offload counted no decode step ({offload}): the "
+                        "answers did not go through the offload path")
+    pulled = summary["requests_pulled"]
+    if summary["pull_failures"] or pulled != len(batch) - 1:
+        failures.append(f"{pulled} requests pulled and {summary['pull_failures']} failed; "
+                        f"expected every request but the shortest ({len(batch) - 1}) pulled")
     summary["checks"] = {"passed": not failures, "failures": failures}
     json_path, png_path = write_report(summary, prefill_stats.parent)
     print(f"report: {json_path}\nsummary chart: {png_path}")
@@ -169,20 +225,35 @@ def exercise(plain_url: str, proxy_url: str, prefill_stats: Path, decode_stats: 
         for line in failures:
             print(f"  - {line}", file=sys.stderr)
         return 1
-    what = "tokens and logprobs" if exact else "tokens"
-    print(f"\nOK: all {len(batch)} P/D answers have exactly the {what} of plain vLLM (prompt "
-          f"cached), and the same tokens as plain vLLM with a cold cache.")
+    print(f"\nOK: all {len(batch)} P/D answers have exactly the tokens and logprobs of plain "
+          f"vLLM (resident, no connector).")
     return 0
 
 
-def check(reference: list[Answer], answers: list[Answer], logprobs: bool) -> list[str]:
+SIZES = frozenset({"layout", "device_kv"})
+"""Stats sections that hold sizes, not counters: never subtracted."""
+
+
+def since(after: Any, before: Any) -> Any:
+    """``after`` with every counter less its value in ``before`` (the warm-up's share), so the
+    report counts the demo's requests only; sizes (``SIZES``) and names pass through."""
+    if isinstance(after, dict):
+        old = before if isinstance(before, dict) else {}
+        return {key: value if key in SIZES else since(value, old.get(key))
+                for key, value in after.items()}
+    if isinstance(after, int | float) and not isinstance(after, bool) \
+            and isinstance(before, int | float):
+        return after - before
+    return after
+
+
+def check(reference: list[Answer], answers: list[Answer]) -> list[str]:
     """Differences between P/D ``answers`` and plain ``reference`` answers, described."""
     failures = []
-    which = "warm-cache" if logprobs else "cold-cache"
     for i, (want, got) in enumerate(zip(reference, answers, strict=True)):
         kind = "chat" if REQUESTS[i][2] else "completion"
         label = f"request {i} ({REQUESTS[i][0]} prompt tokens, {kind}, " \
-                f"{'streamed' if REQUESTS[i][1] else 'not streamed'}) vs plain {which}"
+                f"{'streamed' if REQUESTS[i][1] else 'not streamed'})"
         if not want.ok:
             failures.append(f"{label}: the plain vLLM failed: {want.error}")
         elif not got.ok:
@@ -195,7 +266,7 @@ def check(reference: list[Answer], answers: list[Answer], logprobs: bool) -> lis
                                                           strict=False)) if a != b)
             failures.append(f"{label}: tokens differ from position {first}: P/D "
                             f"{list(got.token_ids)} vs plain {list(want.token_ids)}")
-        elif logprobs and got.logprobs != want.logprobs:
+        elif got.logprobs != want.logprobs:
             worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
             failures.append(f"{label}: same tokens but logprobs differ (max |diff| {worst:.3g})")
     return failures
@@ -222,30 +293,55 @@ def write_report(summary: dict[str, Any], directory: Path) -> tuple[Path, Path]:
     return json_path, save(demo_summary_figure(summary), directory / "demo-summary.png")
 
 
-def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd_wall: float,
-           prefill: dict[str, Any], decode: dict[str, Any], count: int) -> dict[str, Any]:
-    """Print the report; return the same numbers for the JSON report and its chart."""
-    print("\n================ kvo P/D demo report ================")
+def _print_device_kv(prefill: dict[str, Any], decode_kv: dict[str, int]) -> None:
     layout = prefill.get("layout", {})
     if layout:
         ratio = layout["physical_bytes"] / layout["logical_bytes"]
         print(f"prefill device KV   : {layout['describe']}")
         print(f"                      with reuse {_mib(layout['physical_bytes'])}, without "
               f"{_mib(layout['logical_bytes'])}  (ratio {ratio:.3f})")
+    if decode_kv:
+        used = decode_kv["main_cache"] + decode_kv["hot_buffers"] + decode_kv["indexer"]
+        resident = decode_kv["main_resident"] + decode_kv["indexer"]
+        print(f"decode device KV    : with offload {_mib(used)} (hot buffers "
+              f"{_mib(decode_kv['hot_buffers'])} + placeholder {_mib(decode_kv['main_cache'])} "
+              f"+ indexer {_mib(decode_kv['indexer'])})")
+        print(f"                      without {_mib(resident)} (main KV "
+              f"{_mib(decode_kv['main_resident'])} + indexer {_mib(decode_kv['indexer'])})  "
+              f"(ratio {used / resident:.3f}); host pool {_mib(decode_kv['host_pool'])}")
+
+
+def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd_wall: float,
+           prefill: dict[str, Any], decode: dict[str, Any],
+           offload: dict[str, float]) -> dict[str, Any]:
+    """Print the report; return the same numbers for the JSON report and its chart."""
+    print("\n================ kvo P/D demo report (DeepSeek-V3.2 architecture) ================")
+    layout = prefill.get("layout", {})
+    puller = decode.get("decode", {})
+    decode_kv = puller.get("device_kv", {})
+    _print_device_kv(prefill, decode_kv)
     layerwise = prefill.get("layerwise", {})
     sender = prefill.get("remote", {}).get("prefill", {})
-    puller = decode.get("decode", {})
     per_layer = puller.get("per_layer", {})
-    pulled = sum(v["bytes"] for v in per_layer.values())
-    print("bytes moved         : prefill device -> decode KV cache (remote D2H pull): "
-          f"{_mib(pulled)}")
-    print(f"                      prefill device -> Mooncake store (layer saves):   "
-          f"{_mib(layerwise.get('saved_bytes', 0))}")
-    print(f"                      Mooncake store -> prefill device (layer loads):   "
+    per_part = {part: stats["bytes"] for part, stats in puller.get("per_part", {}).items()}
+    pulled = sum(per_part.values())
+    print(f"bytes pulled        : {_mib(pulled)} prefill device -> decode (main KV "
+          f"{_mib(per_part.get('kv', 0))} into the host pool, indexer "
+          f"{_mib(per_part.get('idx', 0))} into the device indexer cache; no separate scale "
+          f"part: bf16 indexer keys)")
+    print(f"layer saves / loads : prefill device -> Mooncake store "
+          f"{_mib(layerwise.get('saved_bytes', 0))}, store -> prefill device "
           f"{_mib(layerwise.get('loaded_bytes', 0))}")
     print(f"transfers           : {puller.get('received', 0)} requests pulled, "
           f"{puller.get('failed', 0)} failed; {sender.get('published_layers', 0)} layer "
           f"READYs published, {sender.get('handshakes', 0)} handshake(s)")
+    selected = offload["selected_entries"]
+    hit_rate = offload["hits"] / selected if selected else None
+    reload = offload["full_reload_bytes"]
+    print(f"decode selections   : {int(selected)} rows selected over {int(offload['steps'])} "
+          f"steps, hit rate {_fmt(hit_rate, digits=3)}, {int(offload['misses'])} misses")
+    print(f"host -> device      : {_mib(offload['h2d_bytes'])} copied vs {_mib(reload)} for "
+          f"reloading the history ({offload['h2d_bytes'] / max(1.0, reload):.1%})")
     if per_layer:
         print("per-layer pull      : layer  reads   bytes/read   ms/read")
         for index, stats in sorted(per_layer.items(), key=lambda item: int(item[0])):
@@ -260,10 +356,12 @@ def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd
     print(f"  TTFT median         {_fmt(_median(plain_ttft), ' ms', 1e3):>16} "
           f"{_fmt(_median(pd_ttft), ' ms', 1e3):>12}")
     print(f"  decode tokens/s     {_fmt(_median(plain_tps)):>16} {_fmt(_median(pd_tps)):>12}")
-    print(f"  batch wall time     {plain_wall:>14.2f} s {pd_wall:>10.2f} s   ({count} requests)")
-    print("=====================================================")
+    print(f"  batch wall time     {plain_wall:>14.2f} s {pd_wall:>10.2f} s   "
+          f"({len(answers)} requests)")
+    print("==================================================================================")
     return {
-        "title": "kvo P/D demo: tiny Llama on vLLM-CPU, KvoMultiConnector -> RemoteD2HConnector",
+        "title": "kvo P/D demo: tiny DeepSeek-V3.2 architecture on vLLM-CPU, KvoMultiConnector "
+                 "-> sparse offload decode",
         "requests": [{"prompt_tokens": shape[0], "streamed": shape[1], "chat": shape[2],
                       "ttft_plain_s": plain.ttft_s, "ttft_pd_s": pd.ttft_s,
                       "decode_tps_plain": plain.decode_tokens_per_s,
@@ -272,9 +370,17 @@ def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd
         "prefill_device_kv": {"describe": layout.get("describe"),
                               "physical_bytes": layout.get("physical_bytes", 0),
                               "logical_bytes": layout.get("logical_bytes", 0)},
+        "decode_device_kv": {
+            "with_offload": (decode_kv.get("main_cache", 0) + decode_kv.get("hot_buffers", 0)
+                             + decode_kv.get("indexer", 0)),
+            "without_offload": decode_kv.get("main_resident", 0) + decode_kv.get("indexer", 0),
+            **decode_kv},
         "bytes_moved": {"prefill -> decode (pull)": pulled,
                         "prefill -> store (saves)": layerwise.get("saved_bytes", 0),
                         "store -> prefill (loads)": layerwise.get("loaded_bytes", 0)},
+        "pulled_per_part": {"main": per_part.get("kv", 0), "indexer": per_part.get("idx", 0),
+                            "scale": 0},
+        "sparse_offload": {**offload, "hit_rate": hit_rate},
         "per_layer_pull": per_layer,
         "requests_pulled": puller.get("received", 0), "pull_failures": puller.get("failed", 0),
         "ttft_median_s": {"plain": _median(plain_ttft), "pd": _median(pd_ttft)},
@@ -285,21 +391,17 @@ def report(reference: list[Answer], answers: list[Answer], plain_wall: float, pd
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="requests in flight at once (default 1)")
     parser.add_argument("--start-timeout", type=float, default=600.0,
                         help="seconds to wait for the servers to start (default 600)")
     parser.add_argument("--workdir", default=None, help="where logs and counters go")
     args = parser.parse_args(argv)
-    if args.concurrency < 1:
-        parser.error(f"--concurrency must be >= 1, got {args.concurrency}")
     try:
         reexec_in_namespace([os.path.abspath(__file__), *(argv or sys.argv[1:])])
     except ClusterError as error:
         print(f"kvo demo: {error}", file=sys.stderr)
         return 2
     say = Progress()
-    say("kvo demo: prefill/decode disaggregation with layerwise offload, vLLM on CPU")
+    say("kvo demo: prefill/decode disaggregation of a sparse-attention (DSA) model, vLLM on CPU")
     try:
         with stopping_on_signals():
             return run(args, say)

@@ -133,10 +133,11 @@ def pull_latency_figure(per_layer: Mapping[str, Mapping[str, Any]],
 
 
 def demo_summary_figure(report: Record) -> Figure:
-    """The demo's one-page summary: TTFT per request, bytes per path, per-layer pull time and
-    the prefill's device KV with and without buffer reuse."""
-    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ttft, moved, pulls, footprint = axes.flat
+    """The demo's one-page summary: TTFT per request, bytes per path (the pull split into main
+    KV and indexer), per-layer pull time, prefill device KV with and without buffer reuse,
+    decode device KV with and without offload, and bytes host -> device against a reload."""
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    ttft, moved, pulls, footprint, decode_kv, h2d = axes.flat
     requests = report["requests"]
     lengths = [r["prompt_tokens"] for r in requests]
     for flavour in ("plain", "pd"):
@@ -146,8 +147,16 @@ def demo_summary_figure(report: Record) -> Figure:
     ttft.set_ylabel("time to first token (ms)")
     ttft.set_title("TTFT per request")
     ttft.legend()
-    paths = report["bytes_moved"]
-    moved.bar(list(paths), [v / (1 << 20) for v in paths.values()], label="bytes moved")
+    paths = dict(report["bytes_moved"])
+    parts = report.get("pulled_per_part") or {}
+    names = list(paths)
+    moved.bar(names, [v / (1 << 20) for v in paths.values()], label="bytes moved")
+    if parts:
+        pull = next(name for name in names if "pull" in name)
+        main = parts.get("main", 0) / (1 << 20)
+        moved.bar([pull], [main], label="of it: main KV", color="tab:orange")
+        moved.bar([pull], [parts.get("indexer", 0) / (1 << 20)], bottom=[main],
+                  label="of it: indexer", color="tab:green")
     moved.set_ylabel("data moved (MiB)")
     moved.set_xlabel("path (source -> destination)")
     moved.tick_params(axis="x", labelsize=7)
@@ -164,11 +173,28 @@ def demo_summary_figure(report: Record) -> Figure:
     kv = report["prefill_device_kv"]
     footprint.bar(["without reuse", "with reuse"],
                   [kv["logical_bytes"] / (1 << 20), kv["physical_bytes"] / (1 << 20)],
-                  label="prefill device main KV")
+                  label="prefill device KV")
     footprint.set_xlabel("prefill layer buffers (configuration)")
     footprint.set_ylabel("device KV (MiB)")
     footprint.set_title("Prefill device KV")
     footprint.legend()
+    dkv = report["decode_device_kv"]
+    decode_kv.bar(["without offload", "with offload"],
+                  [dkv["without_offload"] / (1 << 20), dkv["with_offload"] / (1 << 20)],
+                  label="decode device KV (main + indexer)")
+    decode_kv.set_xlabel("decode main KV (configuration)")
+    decode_kv.set_ylabel("device KV (MiB)")
+    decode_kv.set_title("Decode device KV")
+    decode_kv.legend()
+    offload = report["sparse_offload"]
+    rate = offload.get("hit_rate")
+    h2d.bar(["full reload", "kvo offload"],
+            [offload["full_reload_bytes"] / (1 << 20), offload["h2d_bytes"] / (1 << 20)],
+            label="host -> device")
+    h2d.set_xlabel("decode step copies (strategy)")
+    h2d.set_ylabel("bytes host -> device (MiB)")
+    h2d.set_title("Decode H2D" + ("" if rate is None else f" (hit rate {rate:.1%})"))
+    h2d.legend()
     figure.suptitle(report.get("title", "kvo P/D demo"))
     figure.tight_layout()
     return figure
@@ -189,6 +215,8 @@ def chart_result(path: Path) -> list[Path]:
     chart = CHARTS.get(name)
     if chart is not None:
         written.append(save(chart(result), path.with_suffix(".png")))
+    if name == "e2e" and result.get("dsa"):  # the DSA model's rows beside the Llama's
+        written.append(save(latency_figure(result["dsa"]), path.with_name(f"{path.stem}-dsa.png")))
     per_layer = result.get("per_layer_pull")
     if per_layer:
         written.append(save(pull_latency_figure(per_layer),

