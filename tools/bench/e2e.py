@@ -155,8 +155,11 @@ def _model(kind: str) -> tuple[Path, dict[str, Any], list[str]]:
     from models.tiny_dsv32 import build_tiny_dsv32
 
     model = build_tiny_dsv32(base / "kvo-tiny-dsv32-8", num_layers=8, index_topk=32)
+    # Requests go one at a time; a few sequences keep the offload host pool (sized for
+    # max_num_seqs full-length requests) and its hot buffers small on a shared machine.
     shape = {"block_size": DSA_BLOCK_SIZE,
-             "extra_args": ["--max-num-batched-tokens", str(DSA_STEP_TOKENS)]}
+             "extra_args": ["--max-num-batched-tokens", str(DSA_STEP_TOKENS),
+                            "--max-num-seqs", "4"]}
     offload = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
     return model, shape, offload
 
