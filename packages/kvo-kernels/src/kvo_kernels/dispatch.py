@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -62,7 +63,10 @@ def set_native_lookup(lookup: NativeLookup) -> NativeLookup:
     return previous
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton is importable; looked up once per process, because ``select`` runs on
+    every op call and a module search stats the file system (~3 ms each on a busy host)."""
     return importlib.util.find_spec("triton") is not None
 
 
