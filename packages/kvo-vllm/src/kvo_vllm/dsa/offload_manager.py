@@ -39,7 +39,7 @@ from collections.abc import Iterable
 import torch
 
 from kvo_core.errors import ConfigError
-from kvo_core.residency import RequestState
+from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_vllm.dsa.main_kv import attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
@@ -109,6 +109,15 @@ class OffloadManager:
                                     device=self.device) for _ in range(layers)]
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
                            for _ in range(layers)]
+            row_width = decode_query_rows * top_k
+            # The tables write their results here (caller-owned, no allocation per step); a
+            # layer's results are read before its next update.
+            self.results = [ResidencyResult(*(
+                torch.empty(shape, dtype=RESULT_DTYPE) for shape in (
+                    (max_rows, row_width), (max_rows,), (max_rows, row_width),
+                    (max_rows, row_width)))) for _ in range(layers)]
+            self._row_base = torch.arange(max_rows, dtype=_I64)[:, None] * capacity
+            self._columns = torch.arange(row_width, dtype=_I64)
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
@@ -212,6 +221,8 @@ class OffloadManager:
         bs = self.block_size
         query_lens = qsl[1:requests + 1] - qsl[:requests]
         blocks = block_table[:requests].cpu().to(_I64)
+        if count == requests and bool((query_lens == 1).all()):
+            return self._gather_decode_step(layer, topk, seq_lens, query_lens, blocks)
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
@@ -252,6 +263,64 @@ class OffloadManager:
             pool_rows_used=int(seq_lens.sum()), residency_seconds=residency_seconds))
         return out, valid.to(self.device)
 
+    def _gather_decode_step(self, layer: int, topk: torch.Tensor, seq_lens: torch.Tensor,
+                            query_lens: torch.Tensor, blocks: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` of a batch whose every request decodes one token (most decode steps):
+        the same residency update, copies and rows as the general path, in fewer, larger ops
+        (each small torch op costs microseconds here, which adds up per layer and step)."""
+        requests, width = topk.shape
+        started = time.perf_counter()
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        result = self._update_residency(layer, topk, serials, seq_lens - 1, requests)
+        misses = self._copy_misses(layer, result, blocks, requests)
+        slots = result.slots[:requests, :width].to(_I64).clamp_(min=0)
+        valid = topk >= 0
+        out = self.hot[layer][(self._row_base[:requests] + slots).to(self.device)]
+        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
+        residency_seconds = time.perf_counter() - started
+        selected = int(valid.sum())
+        context = int(seq_lens.sum())
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
+            selected=selected, hits=selected - misses, misses=misses,
+            h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
+            pool_rows_used=context, residency_seconds=residency_seconds))
+        return out, valid.to(self.device)
+
+    def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
+                          stable: torch.Tensor, requests: int,
+                          steady: torch.Tensor | None = None) -> ResidencyResult:
+        """One residency update of the first ``requests`` rows (the rest: no request); rows
+        outside ``steady`` (bool [requests], default all) are left NOT_OFFLOADED."""
+        rows = self.max_rows
+        padded = torch.full((rows, self.decode_query_rows * self.top_k), -1, dtype=_I64)
+        padded[:requests, :row_topk.shape[1]] = row_topk
+        request_ids = torch.full((rows,), -1, dtype=_I64)
+        request_ids[:requests] = serials
+        stable_lens = torch.zeros(rows, dtype=_I64)
+        stable_lens[:requests] = stable
+        states = torch.full((rows,), int(RequestState.NOT_OFFLOADED), dtype=_I64)
+        if steady is None:
+            states[:requests] = int(RequestState.STEADY)
+        else:
+            states[:requests][steady] = int(RequestState.STEADY)
+        return self.tables[layer].update(padded, request_ids, stable_lens, states,
+                                         out=self.results[layer])
+
+    def _copy_misses(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
+                     requests: int) -> int:
+        """Copy the misses the update listed (pool -> hot buffer); returns how many."""
+        bs = self.block_size
+        counts = result.miss_counts[:requests].to(_I64)
+        listed = self._columns[None, :] < counts[:, None]
+        miss_pos = result.miss_tokens[:requests].to(_I64).clamp_(min=0)
+        src = (blocks.gather(1, miss_pos // bs) * bs + miss_pos % bs)[listed]
+        dst = (result.miss_slots[:requests].to(_I64) + self._row_base[:requests])[listed]
+        ops.sparse_copy(self.pool_layer(layer), self.hot[layer], src, dst.to(self.device),
+                        implementation=self.copy_implementation)
+        return int(src.numel())
+
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
                    decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,
                    seq_lens: torch.Tensor, query_lens: torch.Tensor, blocks: torch.Tensor
@@ -259,32 +328,19 @@ class OffloadManager:
         """Residency update, miss copies; returns each token's hot-buffer rows and the misses."""
         count, width = topk.shape
         requests = int(seq_lens.shape[0])
-        bs, cap = self.block_size, self.capacity
+        cap = self.capacity
         row_width = self.decode_query_rows * width
         query_row = torch.arange(count, dtype=_I64) - qsl[req]             # row within request
         cols = query_row[:, None] * width + torch.arange(width, dtype=_I64)[None, :]
         cols = cols.clamp(max=row_width - 1)  # non-decode tokens: masked out below anyway
-        row_topk = torch.full((self.max_rows, row_width), -1, dtype=_I64)
+        row_topk = torch.full((requests, row_width), -1, dtype=_I64)
         tok = decode_tok.nonzero().squeeze(1)
         row_topk[req[tok][:, None].expand(-1, width), cols[tok]] = topk[tok]
-        request_ids = torch.full((self.max_rows,), -1, dtype=_I64)
-        request_ids[:requests] = serials
-        stable = torch.zeros(self.max_rows, dtype=_I64)
-        stable[:requests] = seq_lens - query_lens
-        states = torch.full((self.max_rows,), int(RequestState.NOT_OFFLOADED), dtype=_I64)
-        states[:requests][decode] = int(RequestState.STEADY)
-        result = self.tables[layer].update(row_topk, request_ids, stable, states)
-
-        counts = result.miss_counts[:requests]
-        listed = torch.arange(row_width, dtype=_I64)[None, :] < counts[:, None]
-        miss_pos = result.miss_tokens[:requests].clamp(min=0)
-        src = (blocks.gather(1, miss_pos // bs) * bs + miss_pos % bs)[listed]
-        dst = (result.miss_slots[:requests]
-               + torch.arange(requests, dtype=_I64)[:, None] * cap)[listed]
-        ops.sparse_copy(self.pool_layer(layer), self.hot[layer], src, dst.to(self.device),
-                        implementation=self.copy_implementation)
-        slots = result.slots[req[:, None], cols]                          # [T, K]
-        return (req[:, None] * cap + slots.clamp(min=0)), int(src.numel())
+        result = self._update_residency(layer, row_topk, serials, seq_lens - query_lens,
+                                        requests, steady=decode)
+        misses = self._copy_misses(layer, result, blocks, requests)
+        slots = result.slots[req[:, None], cols].to(_I64)                 # [T, K]
+        return (req[:, None] * cap + slots.clamp(min=0)), misses
 
     def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
