@@ -12,6 +12,7 @@ threads from loading twice.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -98,6 +99,12 @@ def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
     Raises NativeBuildError with the compiler's output when the compiler is missing or the
     build fails.
     """
+    built = directory / f"{name}.so"
+    if built.is_file():  # the name carries the sources' digest: this build is current
+        try:
+            return load_built(name, built, python_module=python_module)
+        except (OSError, ImportError) as error:  # unreadable or broken: build it again
+            log.warning("could not load %s (%s); building it again", built, error)
     _compiler()
     from torch.utils import cpp_extension
 
@@ -119,6 +126,24 @@ def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
             f"building kvo's native ops ({', '.join(Path(s).name for s in sources)}) in "
             f"{directory} failed; compiler output:\n{error}") from error
     return module if python_module else None
+
+
+def load_built(name: str, library: Path, *, python_module: bool) -> ModuleType | None:
+    """Load an already built library without PyTorch's build step.
+
+    ``cpp_extension.load`` takes the build directory's lock even when nothing needs building,
+    and waits forever on a lock a killed process left behind; every process that only loads
+    the op (each vLLM worker) would hang on it. Loading the file directly takes no lock.
+    """
+    if not python_module:
+        torch.ops.load_library(str(library))
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_native_ops() -> ModuleType:
