@@ -11,7 +11,8 @@ cache. A test's fault injection sits on decode's transfer engine. A second prefi
 own proxy and feeds the same TP 1 decode: member 0 sends the main KV, the two members split
 the indexer blocks (with one-block chunks one member's share is empty: it still answers).
 A third decode keeps its indexer cache in C8 (int8 keys + fp16 scale) behind a proxy from the
-bf16 prefill: the layout mismatch. The last test kills the main decode mid-request and starts a
+bf16 prefill: the layout mismatch; a C8 prefill (resident mode) feeds it through a fourth proxy:
+C8 P/D. The last test kills the main decode mid-request and starts a
 new one (one more vLLM start, ~60-100 s on 2 cores) that the same prefill then serves.
 
 Reference: the same decode server answering the prompt itself, without P/D (a request without
@@ -71,6 +72,7 @@ class Deployment:
     tp2_proxy: str
     c8_decode: str
     c8_proxy: str
+    c8_pd_proxy: str
     workdir: Path
     cluster: Any
     model: Path
@@ -136,19 +138,32 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             # layout does not match it.
             c8 = cluster.start_vllm(
                 "decode-c8", model, free_port(), decode_transfer_config(
-                    free_port(), layer_deadline_s=DEADLINE_S),
+                    free_port(), workdir / "decode-c8-stats.json",
+                    layer_deadline_s=DEADLINE_S),
                 extra_args=[*steps, "--additional-config", json.dumps(
                     {"kvo_sparse": {"mode": "offload", "indexer_kv_dtype": "int8"}})],
+                max_model_len=2048, block_size=BLOCK_SIZE)
+            # A C8 prefill (resident mode) that feeds the C8 decode: C8 P/D.
+            c8_prefill = cluster.start_vllm(
+                "prefill-c8", model, free_port(), prefill_transfer_config(
+                    master.address, free_port(), layer_deadline_s=DEADLINE_S,
+                    handshake_timeout_s=DEADLINE_S),
+                extra_args=[*steps, "--additional-config", json.dumps(
+                    {"kvo_sparse": {"indexer_kv_dtype": "int8"}})],
                 max_model_len=2048, block_size=BLOCK_SIZE)
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             tp2_proxy = cluster.start_proxy(free_port(), tp2.url or "", decode.url or "",
                                             name="proxy-tp2")
             c8_proxy = cluster.start_proxy(free_port(), prefill.url or "", c8.url or "",
                                            name="proxy-c8")
-            wait_healthy([prefill, decode, tp2, c8, proxy, tp2_proxy, c8_proxy], 900)
+            c8_pd_proxy = cluster.start_proxy(free_port(), c8_prefill.url or "", c8.url or "",
+                                              name="proxy-c8-pd")
+            wait_healthy([prefill, decode, tp2, c8, c8_prefill, proxy, tp2_proxy, c8_proxy,
+                          c8_pd_proxy], 900)
             yield Deployment(prefill=prefill.url or "", decode=decode.url or "",
                              proxy=proxy.url or "", tp2_proxy=tp2_proxy.url or "",
                              c8_decode=c8.url or "", c8_proxy=c8_proxy.url or "",
+                             c8_pd_proxy=c8_pd_proxy.url or "",
                              workdir=workdir, cluster=cluster, model=model, steps=tuple(steps))
     finally:
         master.stop()
@@ -191,11 +206,12 @@ def _decode_stats(deployment: Deployment) -> dict[str, Any]:
     return dict(deployment.stats("decode").get("decode", {}))
 
 
-def _settled_stats(deployment: Deployment, received: int) -> dict[str, Any]:
+def _settled_stats(deployment: Deployment, received: int,
+                   name: str = "decode") -> dict[str, Any]:
     """Decode's stats once it counted ``received`` requests (the file lags a step)."""
     limit = time.monotonic() + 30
     while True:
-        stats = _decode_stats(deployment)
+        stats = dict(deployment.stats(name).get("decode", {}))
         if stats.get("received", 0) + stats.get("failed", 0) >= received \
                 or time.monotonic() > limit:
             return stats
@@ -361,6 +377,45 @@ def test_indexer_layout_mismatch_is_a_502_naming_both(deployment: Deployment) ->
     again = _complete(deployment.proxy, prompt)
     assert again.ok, again.error
     assert again.token_ids == want.token_ids and again.logprobs == want.logprobs
+
+
+def _num_gpu_blocks(url: str) -> int:
+    """vLLM's KV block count, from the ``cache_config_info`` series on its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    line = next(line for line in text.splitlines()
+                if line.startswith("vllm:cache_config_info{"))
+    return int(line.split('num_gpu_blocks="', 1)[1].split('"', 1)[0])
+
+
+def test_c8_indexer_pd_answers_equal_c8_decode_only(deployment: Deployment) -> None:
+    """C8 on both sides: the C8 prefill's int8 keys with their fp16 scale (inside each row)
+    land in the C8 decode's device indexer cache, main KV in its host pool."""
+    before = dict(deployment.stats("decode-c8").get("decode", {}))
+    cases = [("quebec", 257, False), ("romeo", 700, True)]
+    for tag, length, stream in cases:
+        prompt = _prompt(tag, length)
+        want = _complete(deployment.c8_decode, prompt)
+        assert want.ok, (tag, want.error)
+        got = _complete(deployment.c8_pd_proxy, prompt, stream=stream)
+        assert got.ok, (tag, got.error)
+        assert len(got.token_ids) == MAX_TOKENS
+        assert got.token_ids == want.token_ids, (tag, got.token_ids, want.token_ids)
+        assert got.logprobs == want.logprobs, (tag, got.logprobs, want.logprobs)
+    received = before.get("received", 0)
+    after = _settled_stats(deployment, received + len(cases), name="decode-c8")
+    assert after["received"] - received == len(cases)  # pulled, not computed on decode
+    assert after["failed"] == before.get("failed", 0)
+    assert after["refused_reads"] == before.get("refused_reads", 0)
+    assert after["main_into_host_pool"] is True
+    # The C8 row size as the decode's indexer caches hold it: their bytes over their rows.
+    rows = NUM_LAYERS * _num_gpu_blocks(deployment.c8_decode) * BLOCK_SIZE
+    row, rest = divmod(after["device_kv"]["indexer"], rows)
+    assert rest == 0 and 0 < row < 256, (after["device_kv"], rows)  # smaller than bf16's
+    blocks = sum((length - 1) // BLOCK_SIZE for _, length, _ in cases) * NUM_LAYERS
+    grew = {part: after["per_part"][part]["bytes"]
+            - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
+    assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES, "idx": blocks * BLOCK_SIZE * row}
 
 
 def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
