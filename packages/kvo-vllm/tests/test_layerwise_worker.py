@@ -380,3 +380,30 @@ def test_one_key_for_two_blocks_is_read_once_and_copied(rig) -> None:
     gets = [key for kind, key, _ in store.events if kind == "get"]
     assert len(gets) == len(set(gets)) == 6  # one get of the key per layer, never two
     assert worker.take_load_errors() == set()
+
+
+def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
+    """A decode's read of a slot fails (another part of the slot's round) while the store
+    save of the same slot is still running: the slot is refilled only after the save, and
+    the save is kept (not poisoned), so the next step finds every layer in the store."""
+    worker, store, caches = rig
+
+    def failing_remote_read(layer_name: str, step: int) -> set[str]:
+        part = f"remote:{step}:{layer_name}"
+        slot = worker._buffers[layer_name].slot
+        worker.gates.announce(slot, part)  # reported before the round closes, as a read can
+        worker.gates.mark_failed(slot, part, "decode failed to read")
+        return {part}
+
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+    store.events.clear()
+    store.put_delay = 0.05
+    worker.extra_parts = failing_remote_read
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0})
+    worker.extra_parts = None
+    assert {KEYS.key("b2", i) for i in range(6)} <= set(store.values)  # no save poisoned
+    time_of = {(kind, key): t for kind, key, t in store.events}
+    for layer in range(3, 6):  # layer L reuses layer L-2's buffer
+        saved = time_of[("put", KEYS.key("b2", layer - 2))]
+        loaded = time_of[("get", KEYS.key("b1", layer))]
+        assert saved < loaded, f"layer {layer} overwrote layer {layer - 2} before its save"

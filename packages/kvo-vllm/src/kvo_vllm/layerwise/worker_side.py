@@ -382,10 +382,36 @@ class LayerwiseWorker:
         except SlotFailedError as error:
             # The round is over; the failed consumer's data is poisoned by its own handler.
             logger.warning("kvo layerwise: %s", error)
+            self._wait_own_saves(buffer)
         except SlotTimeoutError as error:
             logger.error("kvo layerwise: %s; giving up on it", error)
             for part in self.gates.pending(buffer.slot):
                 self.gates.mark_failed(buffer.slot, part, error)
+
+    def _wait_own_saves(self, buffer: _Buffer) -> None:
+        """After another part failed the slot's round (a decode's read), let this worker's own
+        store save of the slot finish before the slot is overwritten.
+
+        A failed round wakes its waiters at once, but the save may still be reading the
+        buffer: overwriting it then would tear the stored value, so the save would have to
+        poison its keys, and the next chunk of the same request would find the layer missing
+        from the store and fail the request (seen under load: a decode's failed pull turned
+        into a prefill error). Bounded by the layer deadline; a save still running then is
+        failed (and poisons its own keys) as on a timeout.
+        """
+        prefix = f"{STORE_PART}:"
+        limit = time.monotonic() + self.layer_deadline_s
+        while True:
+            own = [part for part in self.gates.pending(buffer.slot) if part.startswith(prefix)]
+            if not own:
+                return
+            if time.monotonic() >= limit:
+                error = SlotTimeoutError(f"store save of slot {buffer.slot} still running "
+                                         f"after {self.layer_deadline_s:g} s")
+                for part in own:
+                    self.gates.mark_failed(buffer.slot, part, error)
+                return
+            time.sleep(0.0005)
 
     def _load_layer(self, buffer: _Buffer) -> list[int]:
         """Load the step's blocks into every part of the layer; the block ids that failed.
