@@ -11,9 +11,8 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). With prefill TP ``P`` and decode TP 1, member 0 of the contribution
-group sends the (replicated) main KV and the members split the indexer blocks. Decode TP > 1
-and speculative decoding are refused at start-up for DSA layouts until tested.
+(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 and without
+speculative decoding (anything else is refused at start-up until shown to work).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -149,6 +148,13 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
                 f"hand-off is not tested; run P/D without speculative_config")
         if self.sender is not None:
+            if self.sender.tp_size > 1 and any(cache_part(name) == INDEXER_PART
+                                               for name in kv_caches):
+                raise ConfigError(
+                    f"RemoteD2HConnector hands DSA layouts (main KV + indexer caches) over from "
+                    f"prefill TP 1 only so far; this prefill runs TP {self.sender.tp_size} (a "
+                    f"TP 2 prefill's decode reads stalled for the whole layer deadline in tests: "
+                    f"not yet shown to work)")
             self.sender.register_kv_caches(kv_caches, self._slot_key_of)
         if self.puller is not None:
             self.puller.register_kv_caches(
