@@ -5,7 +5,9 @@ Automatic choice:
   (``torch.ops._C_ascend.npu_fused_*``), else Triton (triton-ascend) when importable, else the
   reference;
 - CUDA tensors: Triton when importable, else the reference;
-- anything else (CPU): the reference.
+- anything else (CPU): the reference. kvo's own C++ host op of ``sparse_copy``
+  (``kvo_kernels.host_copy``) runs CPU tensors when ``native`` is forced; it is not chosen
+  automatically, since its first use may compile kvo's native ops.
 
 Forcing, strongest first: the ``implementation=`` argument of a wrapper (or the
 ``use_implementation`` context), then the ``KVO_KERNELS_IMPL`` environment variable; values
@@ -38,6 +40,8 @@ NATIVE_OPS = {
 }
 TRITON_OPS = frozenset({"lightning_indexer_manage", "quant_lightning_indexer_manage",
                         "scatter_copy_sparse_flash_attention", "sparse_copy"})
+HOST_NATIVE_OPS = frozenset({"sparse_copy"})
+"""Ops with a C++ implementation of kvo's own for CPU tensors (``native`` forced)."""
 OPS = frozenset({*NATIVE_OPS, *TRITON_OPS, "hadamard_quant_int8"})
 NPU_DEVICE_TYPES = frozenset({"npu", "privateuseone"})
 
@@ -119,6 +123,9 @@ def select(op: str, device_type: str, *, choice: str | None = None,
     if choice == "reference":
         return Selection("reference", "forced")
     if choice == "native":
+        if device_type == "cpu" and op in HOST_NATIVE_OPS:
+            from kvo_kernels.host_copy import sparse_copy_host
+            return Selection("native", "forced, kvo's C++ host op", sparse_copy_host)
         if native is None:
             raise KernelUnsupportedError(
                 f"native implementation of {op} forced, but "

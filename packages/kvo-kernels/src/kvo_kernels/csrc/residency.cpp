@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "residency_rows.h"
+#include "sparse_copy.h"
 
 namespace kvo_residency {
 namespace {
@@ -486,5 +487,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("residency_update_out", &kvo_residency::residency_update_out_cpu,
         "torch.ops.kvo.residency_update_out without the dispatcher",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sparse_copy", &kvo_copy::sparse_copy_cpu,
+        "kvo::sparse_copy's host implementation (csrc/sparse_copy.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

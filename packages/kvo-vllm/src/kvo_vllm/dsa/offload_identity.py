@@ -23,32 +23,37 @@ A request that moved to another row is thus treated as new there (more misses, s
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-_I64 = torch.int64
+_I64 = np.int64
 
 
 class RowIdentity:
-    """Block versions and per-row serials of one layer (module docstring)."""
+    """Block versions and per-row serials of one layer (module docstring).
+
+    The state is kept in NumPy arrays: a decode step calls :meth:`serials` once per layer with
+    a handful of rows, where each PyTorch op's dispatch costs more than its arithmetic.
+    """
 
     def __init__(self, *, max_rows: int, num_blocks: int, block_size: int,
                  max_blocks_per_row: int) -> None:
         self.block_size = block_size
         self.max_rows = max_rows
         self.max_blocks = max_blocks_per_row
-        self._versions = torch.zeros(num_blocks, dtype=_I64)
+        self._versions = np.zeros(num_blocks, dtype=_I64)
         self._write_counter = 0
-        self._blocks = torch.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
-        self._block_versions = torch.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
-        self._covered = torch.zeros(max_rows, dtype=_I64)   # blocks recorded per row
-        self._serials = torch.full((max_rows,), -1, dtype=_I64)
+        self._blocks = np.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
+        self._block_versions = np.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
+        self._covered = np.zeros(max_rows, dtype=_I64)   # blocks recorded per row
+        self._serials = np.full(max_rows, -1, dtype=_I64)
         self._next_serial = 0
 
     def note_writes(self, slots: torch.Tensor) -> None:
         """Pool rows ``slots`` (vLLM slot ids, -1 = none) were just written."""
-        slots = slots.to(_I64)
-        first_rows = slots[(slots >= 0) & (slots % self.block_size == 0)]
-        if first_rows.numel():
+        written = slots.cpu().numpy().astype(_I64, copy=False).reshape(-1)
+        first_rows = written[(written >= 0) & (written % self.block_size == 0)]
+        if first_rows.size:
             self._write_counter += 1
             self._versions[first_rows // self.block_size] = self._write_counter
 
@@ -59,33 +64,35 @@ class RowIdentity:
         if rows > self.max_rows:
             raise ValueError(f"{rows} batch rows, at most {self.max_rows} (max_num_seqs)")
         bs = self.block_size
-        width = min(int(block_table.shape[1]), self.max_blocks)
-        blocks = block_table[:rows, :width].to(_I64)
-        seq_lens = seq_lens.to(_I64)
-        stable = seq_lens - query_lens.to(_I64)
+        lens = seq_lens.cpu().numpy().astype(_I64, copy=False)
+        stable = lens - query_lens.cpu().numpy().astype(_I64, copy=False)
         need = (stable + bs - 1) // bs                       # blocks of the stable prefix
-        covered = (seq_lens + bs - 1) // bs                  # blocks holding this row's tokens
-        cols = torch.arange(width, dtype=_I64)[None, :]
-        in_need = cols < need[:, None]
+        covered = (lens + bs - 1) // bs                      # blocks holding this row's tokens
+        # Only the columns some row covers can differ from what was recorded (the rest were
+        # recorded as -1 and are -1 again below), so the comparison stops there.
+        width = min(int(block_table.shape[1]), self.max_blocks,
+                    int(max(int(covered.max(initial=0)), int(self._covered[:rows].max(initial=0)))))
+        blocks = block_table[:rows, :width].cpu().numpy().astype(_I64)
+        cols = np.arange(width, dtype=_I64)[None, :]
         in_cover = cols < covered[:, None]
-        versions = torch.where(in_cover, self._versions[blocks.clamp(min=0)],
-                               torch.full_like(blocks, -1))
-        blocks = torch.where(in_cover, blocks, torch.full_like(blocks, -1))
-        same = ((blocks == self._blocks[:rows, :width]) & (
-            versions == self._block_versions[:rows, :width])) | ~in_need
-        keep = same.all(dim=1) & (need >= 1) & (need <= self._covered[:rows])
-        keep &= self._serials[:rows] >= 0
+        versions = np.where(in_cover, self._versions[np.clip(blocks, 0, None)], -1)
+        blocks = np.where(in_cover, blocks, -1)
+        same = ((blocks == self._blocks[:rows, :width])
+                & (versions == self._block_versions[:rows, :width])) | (cols >= need[:, None])
+        keep = (same.all(axis=1) & (need >= 1) & (need <= self._covered[:rows])
+                & (self._serials[:rows] >= 0))
         fresh = int((~keep).sum())
         if fresh:
-            new = torch.arange(self._next_serial, self._next_serial + fresh, dtype=_I64)
+            self._serials[:rows][~keep] = np.arange(self._next_serial, self._next_serial + fresh,
+                                                    dtype=_I64)
             self._next_serial += fresh
-            self._serials[:rows][~keep] = new
         self._blocks[:rows, :width] = blocks
         self._block_versions[:rows, :width] = versions
         self._covered[:rows] = covered
-        return self._serials[:rows].clone()
+        return torch.from_numpy(self._serials[:rows].copy())
 
     def forget(self, rows: torch.Tensor) -> None:
         """Rows (bool ``[R]``) whose residency row this call did not update: their next call
         starts a fresh serial (their positions past the stable prefix were not dropped)."""
-        self._serials[:rows.shape[0]][rows] = -1
+        mask = rows.cpu().numpy()
+        self._serials[:mask.shape[0]][mask] = -1

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from kvo_core.errors import ConfigError
@@ -116,8 +117,14 @@ class OffloadManager:
                 torch.empty(shape, dtype=RESULT_DTYPE) for shape in (
                     (max_rows, row_width), (max_rows,), (max_rows, row_width),
                     (max_rows, row_width)))) for _ in range(layers)]
+            # The update's inputs, refilled per call (the table reads them during the call),
+            # and NumPy views of them and of the index constants for the decode path.
+            self._update_inputs = (torch.empty(max_rows, row_width, dtype=_I64),
+                                   *(torch.empty(max_rows, dtype=_I64) for _ in range(3)))
+            self._update_inputs_np = tuple(t.numpy() for t in self._update_inputs)
             self._row_base = torch.arange(max_rows, dtype=_I64)[:, None] * capacity
-            self._columns = torch.arange(row_width, dtype=_I64)
+            self._row_base_np = self._row_base.numpy()
+            self._columns_np = np.arange(row_width, dtype=np.int64)
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
@@ -267,17 +274,21 @@ class OffloadManager:
                             query_lens: torch.Tensor, blocks: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``gather`` of a batch whose every request decodes one token (most decode steps):
-        the same residency update, copies and rows as the general path, in fewer, larger ops
-        (each small torch op costs microseconds here, which adds up per layer and step)."""
+        the same residency update, copies and rows as the general path, with the index
+        arithmetic in NumPy on views of the same memory (a PyTorch op's dispatch costs several
+        microseconds here, more than its arithmetic on a few hundred indices; it added up to
+        a millisecond per layer and step)."""
         requests, width = topk.shape
         started = time.perf_counter()
         serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         result = self._update_residency(layer, topk, serials, seq_lens - 1, requests)
         misses = self._copy_misses(layer, result, blocks, requests)
-        slots = result.slots[:requests, :width].to(_I64).clamp_(min=0)
+        slots = result.slots[:requests, :width].numpy()
+        # Padding entries read slot 0 of their row: ``gather``'s rows there may hold anything
+        # (main_kv's contract; attention masks them), so they are not zeroed.
+        rows = torch.from_numpy((np.maximum(slots, 0) + self._row_base_np[:requests]).ravel())
+        out = torch.index_select(self.hot[layer], 0, rows.to(self.device))
         valid = topk >= 0
-        out = self.hot[layer][(self._row_base[:requests] + slots).to(self.device)]
-        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
         context = int(seq_lens.sum())
@@ -286,40 +297,41 @@ class OffloadManager:
             selected=selected, hits=selected - misses, misses=misses,
             h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
             pool_rows_used=context, residency_seconds=residency_seconds))
-        return out, valid.to(self.device)
+        return out.view(requests, width, -1), valid.to(self.device)
 
     def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
                           stable: torch.Tensor, requests: int,
                           steady: torch.Tensor | None = None) -> ResidencyResult:
         """One residency update of the first ``requests`` rows (the rest: no request); rows
         outside ``steady`` (bool [requests], default all) are left NOT_OFFLOADED."""
-        rows = self.max_rows
-        padded = torch.full((rows, self.decode_query_rows * self.top_k), -1, dtype=_I64)
-        padded[:requests, :row_topk.shape[1]] = row_topk
-        request_ids = torch.full((rows,), -1, dtype=_I64)
-        request_ids[:requests] = serials
-        stable_lens = torch.zeros(rows, dtype=_I64)
-        stable_lens[:requests] = stable
-        states = torch.full((rows,), int(RequestState.NOT_OFFLOADED), dtype=_I64)
+        padded, request_ids, stable_lens, states = self._update_inputs_np
+        padded.fill(-1)
+        padded[:requests, :row_topk.shape[1]] = row_topk.numpy()
+        request_ids.fill(-1)
+        request_ids[:requests] = serials.numpy()
+        stable_lens.fill(0)
+        stable_lens[:requests] = stable.numpy()
+        states.fill(int(RequestState.NOT_OFFLOADED))
         if steady is None:
             states[:requests] = int(RequestState.STEADY)
         else:
-            states[:requests][steady] = int(RequestState.STEADY)
-        return self.tables[layer].update(padded, request_ids, stable_lens, states,
-                                         out=self.results[layer])
+            states[:requests][steady.numpy()] = int(RequestState.STEADY)
+        return self.tables[layer].update(*self._update_inputs, out=self.results[layer])
 
     def _copy_misses(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
                      requests: int) -> int:
         """Copy the misses the update listed (pool -> hot buffer); returns how many."""
         bs = self.block_size
-        counts = result.miss_counts[:requests].to(_I64)
-        listed = self._columns[None, :] < counts[:, None]
-        miss_pos = result.miss_tokens[:requests].to(_I64).clamp_(min=0)
-        src = (blocks.gather(1, miss_pos // bs) * bs + miss_pos % bs)[listed]
-        dst = (result.miss_slots[:requests].to(_I64) + self._row_base[:requests])[listed]
-        ops.sparse_copy(self.pool_layer(layer), self.hot[layer], src, dst.to(self.device),
+        counts = result.miss_counts[:requests].numpy()
+        listed = self._columns_np[None, :] < counts[:, None]
+        row_of = np.nonzero(listed)[0]
+        miss_pos = result.miss_tokens[:requests].numpy()[listed].astype(np.int64)
+        src = blocks.numpy()[row_of, miss_pos // bs] * bs + miss_pos % bs
+        dst = result.miss_slots[:requests].numpy()[listed] + row_of * self.capacity
+        ops.sparse_copy(self.pool_layer(layer), self.hot[layer], torch.from_numpy(src),
+                        torch.from_numpy(dst).to(self.device),
                         implementation=self.copy_implementation)
-        return int(src.numel())
+        return int(src.size)
 
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
                    decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,
