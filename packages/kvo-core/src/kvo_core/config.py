@@ -309,7 +309,7 @@ class SparseDecodeOffloadConfig:
                                       validator=_int_in(1, MAX_QUERY_ROWS))
     indexer_kv_dtype: str = attrs.field(default="bfloat16", validator=_one_of(INDEXER_KV_DTYPES))
     kernel_backend: str = attrs.field(default="auto", validator=_one_of(KERNEL_BACKENDS))
-    residency_backend: str = attrs.field(default="torch", validator=_one_of(RESIDENCY_BACKENDS))
+    residency_backend: str = attrs.field(default="native", validator=_one_of(RESIDENCY_BACKENDS))
     mode: str = attrs.field(default="resident", validator=_one_of(SPARSE_MODES))
 
     def __attrs_post_init__(self) -> None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.config import decode_query_rows, uses_fused_ops
 from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
@@ -91,7 +90,7 @@ class OffloadWorker:
             decode_query_rows=decode_query_rows(config),
             pool_name=f"dsa-{os.getpid()}-{next(_pool_names)}",
             residency_backend=config.residency_backend,
-            copy_implementation=copy_implementation_for(config, placeholder.device),
+            copy_implementation="reference" if config.kernel_backend == "reference" else None,
             device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config))
         return self.manager
 
@@ -101,18 +100,6 @@ class OffloadWorker:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
-
-
-def copy_implementation_for(config: SparseDecodeOffloadConfig,
-                            device: torch.device) -> str | None:
-    """The miss copies' implementation: the reference when the kernels are forced to it;
-    on a CPU device with the native residency, kvo's C++ host copy (the same native library,
-    already built for the residency); else the dispatcher's choice for the device."""
-    if config.kernel_backend == "reference":
-        return "reference"
-    if config.residency_backend == "native" and device.type == "cpu":
-        return "native"
-    return None
 
 
 def _env_int(name: str, default: int) -> int:

@@ -48,7 +48,7 @@ from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
 from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
 from kvo_vllm.sparse.layout import SparseModelLayout
-from kvo_vllm.sparse.residency_backend import make_residency_table
+from kvo_vllm.sparse.residency_backend import make_residency_table, native_host_tables
 
 _I64 = torch.int64
 
@@ -110,6 +110,9 @@ class OffloadManager:
                                     device=self.device) for _ in range(layers)]
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
                            for _ in range(layers)]
+            if copy_implementation is None and native_host_tables(self.tables, self.device):
+                # The residency runs kvo's native library, so its C++ host copy is there too.
+                self.copy_implementation = "native"
             row_width = decode_query_rows * top_k
             # The tables write their results here (caller-owned, no allocation per step); a
             # layer's results are read before its next update.

@@ -6,6 +6,7 @@ Both implement kvo-core's rules slot for slot, so the choice changes speed, neve
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -37,3 +38,15 @@ def make_residency_table(backend: str, rows: int, capacity: int) -> ResidencyTab
             warnings.warn(f"native residency table unavailable ({error}); using kvo-core's "
                           "torch ResidencyTable (same results, slower)", stacklevel=2)
     return ResidencyTable(rows, capacity)
+
+
+def native_host_tables(tables: Sequence[ResidencyTableLike], device: torch.device) -> bool:
+    """Whether ``tables`` all run kvo-kernels' native op (so its library is loaded) and the
+    hot buffers are host memory: then the miss copies can take kvo's C++ host copy too."""
+    if device.type != "cpu" or not tables:
+        return False
+    try:
+        from kvo_kernels.native_residency import NativeResidencyTable
+    except ImportError:
+        return False
+    return all(isinstance(table, NativeResidencyTable) for table in tables)
