@@ -26,7 +26,7 @@ outputs are then compared by tokens only (the fused op sums attention in another
 
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
-  [--residency-backend torch|native] [--json PATH]
+  [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--json PATH]
   default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
   32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
 """
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kernel_backend of the offload engine (default auto)")
     parser.add_argument("--residency-backend", default="native", choices=("torch", "native"),
                         help="residency_backend of the offload engine (default native)")
+    parser.add_argument("--indexer-dtype", default="bfloat16", choices=("bfloat16", "int8"),
+                        help="indexer_kv_dtype of both engines (int8: the C8 indexer cache)")
     parser.add_argument("--reps", type=int, default=1,
                         help="processes per case, alternating which engine goes first")
     args = parser.parse_args(argv)
@@ -100,13 +102,13 @@ def _model_dir(max_len: int) -> Path:
 
 
 def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto",
-            residency_backend: str = "torch") -> Any:
+            residency_backend: str = "torch", indexer_dtype: str = "bfloat16") -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
     resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
 
     blocks = batch * -(-max_len // 64) + 1
-    sparse: dict[str, Any] = {"mode": mode}
+    sparse: dict[str, Any] = {"mode": mode, "indexer_kv_dtype": indexer_dtype}
     if mode == "offload":
         sparse.update(kernel_backend=kernel_backend, residency_backend=residency_backend)
     return LLM(model=str(model), dtype="float32", enforce_eager=True,
@@ -227,7 +229,7 @@ def _record_fused_trace(trace: list[list[int]]) -> None:
 
 def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
              kernel_backend: str = "auto", residency_backend: str = "torch",
-             offload_first: bool = False) -> dict[str, Any]:
+             offload_first: bool = False, indexer_dtype: str = "bfloat16") -> dict[str, Any]:
     """Both engines of one case in this (fresh) process, decode steps interleaved (``--pair``)."""
     from kvo_vllm.dsa import offload_manager
     from kvo_vllm.dsa.offload_main_kv import offload_workers
@@ -248,8 +250,8 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     if kernel_backend == "fused":
         _record_fused_trace(trace)
     modes = ("offload", "resident") if offload_first else ("resident", "offload")
-    engines = {mode: _engine(model, mode, max_len, batch, kernel_backend, residency_backend)
-               for mode in modes}
+    engines = {mode: _engine(model, mode, max_len, batch, kernel_backend, residency_backend,
+                             indexer_dtype) for mode in modes}
     times, ratios, outputs = _PairedSteps(engines).run(prompts, decode_tokens)
     row: dict[str, Any] = {"ratios": ratios}
     for mode, llm in engines.items():
@@ -257,13 +259,16 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
         step = statistics.median(times[mode])
         row[f"{mode}_answers"] = _answers(outputs[mode])
         row[f"{mode}_step_ms"] = step * 1e3
-        device = batch * (context + decode_tokens) * (per_token["main"] + per_token["indexer"])
+        tokens = batch * (context + decode_tokens)
+        device = tokens * (per_token["main"] + per_token["indexer"])
+        main_kv = tokens * per_token["main"]   # offload: vLLM's placeholder (+ hot buffers)
         if mode == "offload":
             worker = next(w for w in offload_workers() if w.manager is not None
                           and w.stats.totals.calls > 0)
             manager = worker.manager
             assert manager is not None
             device += manager.hot_buffer_bytes
+            main_kv += manager.hot_buffer_bytes
             decode_calls = [s for s in worker.stats.history if s.decode_rows]
             steps = max(1, len(decode_calls) // NUM_LAYERS)
             hits = sum(s.hits for s in decode_calls)
@@ -275,6 +280,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             replay = _replay(trace, manager.capacity)  # both from a cold row
             row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
         row[f"{mode}_device_kv_mib"] = device / 2**20
+        row[f"{mode}_main_kv_mib"] = main_kv / 2**20
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     return row
@@ -282,13 +288,14 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
 
 def run_case(model: Path, context: int, batch: int, decode_tokens: int,
              reps: int = 1, kernel_backend: str = "auto",
-             residency_backend: str = "torch") -> dict[str, Any]:
+             residency_backend: str = "torch", indexer_dtype: str = "bfloat16") -> dict[str, Any]:
     """``reps`` fresh processes (vLLM-CPU binds its threads once per process), each running
     both engines with interleaved decode steps; which engine is built and stepped first
     alternates between repetitions. Step times: medians over every repetition's steps;
     off/res: the median of the per-step-pair ratios."""
     row: dict[str, Any] = {"context": context, "batch": batch, "reps": reps,
-                           "residency_backend": residency_backend}
+                           "residency_backend": residency_backend,
+                           "indexer_dtype": indexer_dtype}
     answers: dict[str, list[Any]] = {}
     steps: dict[str, list[float]] = {"resident": [], "offload": []}
     ratios: list[float] = []
@@ -296,7 +303,7 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, __file__, "--pair", str(context), str(batch),
                             str(decode_tokens), str(model), out.name, kernel_backend,
-                            residency_backend, str(rep % 2)], check=True)
+                            residency_backend, str(rep % 2), indexer_dtype], check=True)
             result = json.loads(Path(out.name).read_text())
         ratios += result.pop("ratios")
         for mode in steps:
@@ -309,6 +316,7 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
     row["step_ratio"] = statistics.median(ratios)
     row["step_pairs"] = len(ratios)
     row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
+    row["main_kv_ratio"] = row["offload_main_kv_mib"] / row["resident_main_kv_mib"]
     if kernel_backend == "fused":   # another summation order: tokens only
         row["identical"] = [t for t, _ in answers["offload"]] == [
             t for t, _ in answers["resident"]]
@@ -324,7 +332,8 @@ COLUMNS = [("context", "ctx", "{:d}"), ("batch", "B", "{:d}"),
            ("offload_tokens_per_s", "off tok/s", "{:.1f}"),
            ("resident_device_kv_mib", "res KV MiB", "{:.1f}"),
            ("offload_device_kv_mib", "off KV MiB", "{:.1f}"),
-           ("device_kv_ratio", "KV ratio", "{:.3f}"), ("hit_rate", "hit", "{:.3f}"),
+           ("device_kv_ratio", "KV ratio", "{:.3f}"), ("main_kv_ratio", "main ratio", "{:.3f}"),
+           ("hit_rate", "hit", "{:.3f}"),
            ("h2d_mib_per_step", "H2D MiB/st", "{:.3f}"),
            ("full_reload_mib_per_step", "reload MiB/st", "{:.2f}"),
            ("lru_misses", "LRU miss", "{:d}"), ("belady_misses", "Belady", "{:d}"),
@@ -350,10 +359,10 @@ def _environment() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--pair"]:   # a child: both engines of one case, JSON to the given file
-        context, batch, decode, model, out, kernel_backend, residency, first = argv[1:9]
+        context, batch, decode, model, out, kernel_backend, residency, first, index = argv[1:10]
         _environment()
         result = run_pair(Path(model), int(context), int(batch), int(decode), kernel_backend,
-                          residency, offload_first=first == "1")
+                          residency, offload_first=first == "1", indexer_dtype=index)
         Path(out).write_text(json.dumps(result))
         return 0
     args = parse_args(argv)
@@ -363,12 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for batch in args.batches:
             rows.append(run_case(model, context, batch, args.decode_tokens, args.reps,
-                                 args.kernel_backend, args.residency_backend))
+                                 args.kernel_backend, args.residency_backend,
+                                 args.indexer_dtype))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"sparse MLA in vLLM-CPU: offload (kernel_backend {args.kernel_backend}) vs resident "
           f"({NUM_LAYERS} layers, top-k {INDEX_TOPK}, hot capacity {2 * INDEX_TOPK}, "
-          f"{args.decode_tokens} tokens/request)")
+          f"{args.decode_tokens} tokens/request, indexer {args.indexer_dtype}; KV ratio: "
+          f"device KV offload / resident, indexer included; main ratio: main KV only)")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "sparse_vllm", "rows": rows}, indent=2))
