@@ -11,6 +11,7 @@ import torch
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.indexer_cache import describe_indexer_block
 from kvo_vllm.dsa.offload_manager import OffloadManager
+from kvo_vllm.remote_d2h.connector import refuse_untested_dsa
 from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches
 from kvo_vllm.sparse.layout import SparseModelLayout
 
@@ -67,6 +68,27 @@ def test_layouts_it_cannot_move_are_refused(caches: dict[str, torch.Tensor],
                                             message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         describe_kv_caches(caches)
+
+
+def test_a_dsa_prefill_with_tp_above_1_is_refused_naming_its_tp() -> None:
+    """TP 2 DSA prefill -> TP 1 decode stalled for a whole layer deadline in the merged tree
+    (issue 14 §2, not understood yet): refused at start-up; TP 1, a decode, and a dense model
+    at TP 2 pass."""
+    with pytest.raises(ConfigError, match=r"prefill TP 1 only so far; this prefill runs TP 2"):
+        refuse_untested_dsa(_dsa_caches(), None, prefill_tp=2)
+    refuse_untested_dsa(_dsa_caches(), None, prefill_tp=1)
+    refuse_untested_dsa(_dsa_caches(), None, prefill_tp=None)
+    refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, None, prefill_tp=2)
+
+
+def test_a_dsa_handoff_with_speculative_decoding_is_refused() -> None:
+    class Speculative:
+        method = "mtp"
+
+    with pytest.raises(ConfigError, match=r"speculative decoding \('mtp'\)"):
+        refuse_untested_dsa(_dsa_caches(), Speculative(), prefill_tp=None)
+    refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative(),
+                        prefill_tp=1)
 
 
 def test_indexer_block_sizes_are_named_by_layout() -> None:

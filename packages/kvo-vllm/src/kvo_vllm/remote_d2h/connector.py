@@ -90,6 +90,26 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
     return int(groups[0].kv_cache_spec.block_size)
 
 
+def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None, *,
+                        prefill_tp: int | None) -> None:
+    """ConfigError for a DSA set-up (main KV + indexer caches) whose hand-off is not shown to
+    work here: speculative decoding (MTP layers), a prefill with TP > 1 (``prefill_tp``; None
+    on a decode). Dense layouts pass."""
+    if not any(cache_part(name) == INDEXER_PART for name in kv_caches):
+        return
+    if speculative is not None:
+        raise ConfigError(
+            f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
+            f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
+            f"hand-off is not tested; run P/D without speculative_config")
+    if prefill_tp is not None and prefill_tp > 1:
+        raise ConfigError(
+            f"RemoteD2HConnector hands DSA layouts (main KV + indexer caches) over from "
+            f"prefill TP 1 only so far; this prefill runs TP {prefill_tp} (a TP 2 prefill's "
+            f"decode reads stalled for the whole layer deadline in tests: not yet shown to "
+            f"work); run the prefill with --tensor-parallel-size 1")
+
+
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """vLLM KV connector for the decode-first P/D flow (see the module docstring)."""
 
@@ -140,21 +160,9 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
     # ==== worker side ====================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        speculative = getattr(self._vllm_config, "speculative_config", None)
-        if speculative is not None and any(cache_part(name) == INDEXER_PART
-                                           for name in kv_caches):
-            raise ConfigError(
-                f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
-                f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
-                f"hand-off is not tested; run P/D without speculative_config")
+        refuse_untested_dsa(kv_caches, getattr(self._vllm_config, "speculative_config", None),
+                            prefill_tp=None if self.sender is None else self.sender.tp_size)
         if self.sender is not None:
-            if self.sender.tp_size > 1 and any(cache_part(name) == INDEXER_PART
-                                               for name in kv_caches):
-                raise ConfigError(
-                    f"RemoteD2HConnector hands DSA layouts (main KV + indexer caches) over from "
-                    f"prefill TP 1 only so far; this prefill runs TP {self.sender.tp_size} (a "
-                    f"TP 2 prefill's decode reads stalled for the whole layer deadline in tests: "
-                    f"not yet shown to work)")
             self.sender.register_kv_caches(kv_caches, self._slot_key_of)
         if self.puller is not None:
             self.puller.register_kv_caches(
