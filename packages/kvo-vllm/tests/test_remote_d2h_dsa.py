@@ -8,10 +8,12 @@ import uuid
 import pytest
 import torch
 
+from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.indexer_cache import describe_indexer_block
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.remote_d2h.connector import refuse_untested_dsa
+from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches
 from kvo_vllm.sparse.layout import SparseModelLayout
 
@@ -89,6 +91,16 @@ def test_a_dsa_handoff_with_speculative_decoding_is_refused() -> None:
         refuse_untested_dsa(_dsa_caches(), Speculative(), prefill_tp=None)
     refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative(),
                         prefill_tp=1)
+
+
+def test_a_dsa_decode_with_tp_above_1_is_refused_naming_its_tp() -> None:
+    puller = DecodePuller(config=RemoteD2HConfig(kv_port=29000), tp_rank=0, tp_size=2,
+                          dp_rank=0)
+    try:
+        with pytest.raises(ConfigError, match=r"decode TP 1 only so far; this decode runs TP 2"):
+            puller.register_kv_caches(_dsa_caches())
+    finally:
+        puller.close()
 
 
 def test_indexer_block_sizes_are_named_by_layout() -> None:
