@@ -32,10 +32,15 @@ class Harness:
                  parts: list[tuple[int, str]] = PARTS) -> None:
         self.stored = stored if stored is not None else set()
         self.blocks: dict[str, list[int]] = {}
+        self.evicted: list[list[bytes]] = []
         self.scheduler = LayerwiseScheduler(
             block_size=BS, stored_parts=parts, keys=KEYS, tp_size=1, engine_id="E",
             store_exists=lambda keys: [k in self.stored for k in keys],
-            block_ids_of=lambda rid: self.blocks[rid])
+            block_ids_of=lambda rid: self.blocks[rid], evict_local=self.evict)
+
+    def evict(self, block_hashes: list[bytes]) -> int:
+        self.evicted.append(list(block_hashes))
+        return len(block_hashes)
 
     def admit(self, request: FakeRequest, first_block_id: int, num_blocks: int,
               external: int = 0) -> None:
@@ -139,6 +144,48 @@ def test_a_failing_store_lookup_is_a_miss() -> None:
                                    engine_id="E", store_exists=broken,
                                    block_ids_of=lambda rid: [])
     assert scheduler.num_new_matched_tokens(FakeRequest("a", 13), 0) == 0
+
+
+def stored_blocks(request: FakeRequest, positions: range) -> set[str]:
+    return {KEYS.key(hashed_block_name(request.block_hashes[i]), layer)
+            for i in positions for layer in LAYERS}
+
+
+def test_a_local_hit_the_store_lost_is_cut_from_its_first_missing_block() -> None:
+    r = FakeRequest("a", 13)
+    harness = Harness(stored_blocks(r, range(3)))
+    harness.stored.discard(KEYS.key(hashed_block_name(r.block_hashes[1]), 2))
+    harness.scheduler.on_new_request(r)
+    assert harness.scheduler.num_new_matched_tokens(r, 12) is None
+    assert harness.evicted == [r.block_hashes[1:3]]
+    assert harness.scheduler.stats.local_hits_dropped == 1
+    assert harness.scheduler.num_new_matched_tokens(r, 4) == 0  # block 1 is a miss
+    whole = FakeRequest("a", 13)
+    assert harness.scheduler.num_new_matched_tokens(whole, 4) == 0  # deferred once per request
+    assert len(harness.evicted) == 1
+    kept = FakeRequest("b", 13)
+    harness.stored |= stored_blocks(kept, range(3))
+    assert harness.scheduler.num_new_matched_tokens(kept, 8) == 4
+    assert len(harness.evicted) == 1
+
+
+def test_blocks_a_recent_step_saves_count_as_stored() -> None:
+    """Async scheduling plans the next step while this one's saves run: a local hit on blocks
+    whose save was just planned is kept; one the store lost after its save is not."""
+    harness = Harness()
+    writer = FakeRequest("w", 13)
+    harness.admit(writer, 100, 4)
+    harness.step({writer: 8})  # saves blocks 0, 1 by hash; not in the store yet
+    reader = FakeRequest("r", 13)
+    reader.block_hashes = list(writer.block_hashes)
+    assert harness.scheduler.num_new_matched_tokens(reader, 8) == 0
+    assert harness.evicted == []
+    harness.step({writer: 4})
+    harness.step({writer: 1})  # two later steps: blocks 0, 1 are long saved, or lost
+    late = FakeRequest("l", 13)
+    late.block_hashes = list(writer.block_hashes)
+    assert harness.scheduler.num_new_matched_tokens(late, 8) is None
+    assert harness.evicted == [writer.block_hashes[:2]]
 
 
 def test_an_external_hit_loads_in_every_layer() -> None:

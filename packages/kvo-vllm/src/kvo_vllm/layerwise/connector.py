@@ -22,13 +22,14 @@ vLLM 0.32 hooks used:
   per-layer pipeline (``worker_side``); ``get_finished`` drops finished requests' private
   blocks; ``get_block_ids_with_load_errors`` reports blocks the store did not have.
 - ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``on_new_request`` /
-  ``request_finished`` and the bound KV-cache manager: prefix hits from the store.
+  ``request_finished`` and the bound KV-cache manager: prefix hits from the store; a local
+  hit whose shared layers the store lost leaves vLLM's prefix cache (``scheduler_side``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -142,7 +143,7 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 keys=StoreKeys(namespace=namespace),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 engine_id=engine_id, store_exists=self._store.exists,
-                block_ids_of=self._block_ids_of)
+                block_ids_of=self._block_ids_of, evict_local=self._evict_cached)
         logger.info("kvo LayerwiseStoreConnector (%s): %s", role.name, self.layout.describe())
 
     # ==== worker side ====================================================================
@@ -233,6 +234,20 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         if self._kv_cache_manager is None:
             raise RuntimeError("vLLM did not bind its KV-cache manager to the connector")
         return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+
+    def _evict_cached(self, block_hashes: Sequence[Any]) -> int:
+        """Drop the blocks with these hashes from vLLM's prefix cache (the store lost their
+        shared layers); blocks in use stay with their requests. How many were found."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            return 0
+        block_ids: set[int] = set()
+        for block_hash in block_hashes:
+            cached = manager.block_pool.get_cached_block(block_hash, [0])
+            block_ids.update(block.block_id for block in cached or ())
+        if block_ids:
+            manager.evict_blocks(block_ids)
+        return len(block_ids)
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)

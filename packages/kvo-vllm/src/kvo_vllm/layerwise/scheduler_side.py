@@ -10,11 +10,21 @@ Per scheduled request and step (``ctx`` tokens computed before the step, ``end``
   full and its hash is known; until then under the request's own name. ``stored_hashed``
   counts the leading blocks known to be in the store by hash; a block whose hash arrives
   late (async scheduling) is saved by hash in the next step, right after it was loaded.
+
+vLLM's own prefix cache also depends on the store: the shared-buffer layers of a local hit are
+reloaded from it. A store that lost them (a restarted, empty Mooncake master; an eviction; a
+poisoned save) would fail such a request's load (``kv_load_failure_policy="fail"``) although a
+recompute would do. So a new request's local hit is checked against the store too: from its
+first block the store lacks, the blocks are dropped from vLLM's prefix cache (``evict_local``)
+and the lookup answers "not yet" (None); vLLM asks again next step and finds the shorter local
+hit, and the request recomputes the rest. Blocks whose save a recent step planned count as
+present (their save may still be running). A request is deferred this way at most once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +39,10 @@ from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTran
 
 logger = logging.getLogger(__name__)
 
+_IN_FLIGHT_STEPS = 2
+"""Steps whose planned saves may still run when the scheduler plans the next one (async
+scheduling overlaps one step's forward with the next step's planning)."""
+
 _UNKNOWN = 1 << 62
 """``stored_hashed`` before a request's first step: clamped to its context then."""
 
@@ -40,6 +54,8 @@ class SchedulerStats:
     lookups: int = 0
     hit_requests: int = 0
     hit_tokens: int = 0
+    local_hits_dropped: int = 0
+    """Requests whose local prefix hit the store could no longer back (module docstring)."""
 
 
 @attrs.define
@@ -55,7 +71,8 @@ class LayerwiseScheduler:
     def __init__(self, *, block_size: int, stored_parts: Sequence[tuple[int, str]],
                  keys: StoreKeys,
                  tp_size: int, engine_id: str, store_exists: Callable[[list[str]], list[bool]],
-                 block_ids_of: Callable[[str], list[int]]) -> None:
+                 block_ids_of: Callable[[str], list[int]],
+                 evict_local: Callable[[Sequence[Any]], int] | None = None) -> None:
         self._block_size = block_size
         self._parts = tuple(stored_parts)
         """(layer index, part) of every cache a block is stored as (``LayerLayout``)."""
@@ -64,7 +81,13 @@ class LayerwiseScheduler:
         self._engine_id = engine_id
         self._exists = store_exists
         self._block_ids_of = block_ids_of
+        self._evict_local = evict_local
+        """Drops blocks (by vLLM block hash) from vLLM's prefix cache; returns how many."""
         self._requests: dict[str, _RequestState] = {}
+        self._recent_saves: deque[set[str]] = deque(maxlen=_IN_FLIGHT_STEPS)
+        """Block names saved by hash in the last steps planned (maybe still being saved)."""
+        self._deferred: set[str] = set()
+        """Requests whose local hit was already cut once (never deferred twice)."""
         self.stats = SchedulerStats()
 
     # -- prefix hits --------------------------------------------------------------------
@@ -72,30 +95,56 @@ class LayerwiseScheduler:
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = _RequestState(request=request)
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` whose every layer, part and rank is stored.
 
         Whole blocks only, and never the last prompt token: vLLM must compute at least one
-        token to sample from.
+        token to sample from. None when part of vLLM's local hit (``num_computed_tokens``) is
+        gone from the store: those blocks left vLLM's prefix cache; ask again.
         """
         size = self._block_size
         first = num_computed_tokens // size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // size)
-        if last <= first or num_computed_tokens % size:
+        if num_computed_tokens % size:
             return 0
+        check_local = (first > 0 and self._evict_local is not None
+                       and request.request_id not in self._deferred)
+        local_names = ([hashed_block_name(h) for h in request.block_hashes[:first]]
+                       if check_local else [])
         names = [hashed_block_name(h) for h in request.block_hashes[first:last]]
+        if not local_names and not names:
+            return 0
         per_block = len(self._parts) * self._tp_size
         keys = [self._keys.for_rank(rank).key(name, layer, part)
-                for name in names for rank in range(self._tp_size)
+                for name in local_names + names for rank in range(self._tp_size)
                 for layer, part in self._parts]
         try:
             present = self._exists(keys)
         except Exception as error:  # a store outage is a cache miss, not a failed request
             logger.warning("kvo layerwise: store lookup failed, treating as a miss: %s", error)
             return 0
+
+        def stored(position: int) -> bool:
+            return all(present[position * per_block:(position + 1) * per_block])
+
+        in_flight = set().union(*self._recent_saves) if local_names else set()
+        lost = next((i for i, name in enumerate(local_names)
+                     if name not in in_flight and not stored(i)), None)
+        if lost is not None:
+            assert self._evict_local is not None
+            self._deferred.add(request.request_id)
+            evicted = self._evict_local(request.block_hashes[lost:first])
+            if evicted:
+                self.stats.local_hits_dropped += 1
+                logger.warning(
+                    "kvo layerwise: request %s: %d of its %d locally cached prefix blocks are "
+                    "no longer in the store (restarted or evicted); %d dropped from the prefix "
+                    "cache, the request recomputes them", request.request_id, first - lost,
+                    first, evicted)
+                return None
         found = 0
-        for position in range(len(names)):
-            if not all(present[position * per_block:(position + 1) * per_block]):
+        for position in range(len(local_names), len(local_names) + len(names)):
+            if not stored(position):
                 break
             found += 1
         self.stats.lookups += 1
@@ -111,6 +160,7 @@ class LayerwiseScheduler:
 
     def request_finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._deferred.discard(request_id)
 
     # -- per-step plan ------------------------------------------------------------------
 
@@ -131,6 +181,7 @@ class LayerwiseScheduler:
         # write fills them before attention reads them, and the store has nothing yet.
         written_whole = {block_ids[i] for _, _, ctx, end, block_ids in steps
                          for i in range(-(-ctx // size), end // size)}
+        self._recent_saves.append(set())
         plans = [self._plan_request(request_id, state, ctx, end, block_ids, written_whole)
                  for request_id, state, ctx, end, block_ids in steps]
         if plans:
@@ -165,6 +216,7 @@ class LayerwiseScheduler:
             state.external_tokens = 0
         saves = [BlockRef(block_ids[i], hashed_block_name(hashes[i]))
                  for i in range(stored, hashable)]
+        self._recent_saves[-1].update(ref.name for ref in saves)
         written = range(max(ctx // size, stored, hashable), -(-end // size))
         saves.extend(BlockRef(block_ids[i], request_block_name(self._engine_id, request_id, i))
                      for i in written)
