@@ -663,6 +663,60 @@ def test_announcements_whose_round_never_comes_are_bounded() -> None:
     assert gates.pending(KEY) == {"remote:0:0"}
 
 
+def test_close_takes_the_parts_announced_on_the_slot_in_its_epoch() -> None:
+    """The owner closes with its own part only; the announcer only reports (no part names
+    handed over), and its early answers are applied at close."""
+    gates = SlotGates()
+    other = (0x7F00_0000_3000,)
+    gates.new_epoch()
+    gates.announce(KEY, "remote:1:0")
+    gates.join(KEY, "remote:1:0", ["read:a#1", "read:b#2"])
+    gates.announce(other, "remote:1:1")  # another slot's: not this round's
+    assert gates.mark_done(KEY, "read:a#1")
+    gates.close(KEY, ["store:1:0"], take_announced=True)
+    assert gates.pending(KEY) == {"store:1:0", "remote:1:0"}
+    gates.mark_done(KEY, "store:1:0")
+    assert not gates.is_open(KEY)  # decode b still reads
+    gates.mark_done(KEY, "read:b#2")
+    gates.wait(KEY, 0)
+    gates.close(other, ["store:1:1"], take_announced=True)
+    assert gates.pending(other) == {"store:1:1", "remote:1:1"}
+
+
+def test_a_stale_announcement_never_joins_a_later_round() -> None:
+    """A step announced a remote part on the slot but closed no round there (e.g. its layer
+    pipeline had nothing to do on it); its read then failed. The next step's round on the slot
+    must neither wait for that part nor fail with its report."""
+    gates = SlotGates()
+    gates.new_epoch()
+    gates.announce(KEY, "remote:1:0")
+    gates.join(KEY, "remote:1:0", ["read:a#1"])
+    gates.announce(KEY, "remote:1:0b")  # never reported at all
+    assert gates.mark_failed(KEY, "read:a#1", "decode failed to read")  # held, no round
+    gates.new_epoch()
+    gates.close(KEY, ["store:2:0"], take_announced=True)
+    assert gates.pending(KEY) == {"store:2:0"}
+    assert gates.error(KEY) is None
+    gates.mark_done(KEY, "store:2:0")
+    gates.wait(KEY, 0)  # open, not failed
+    assert gates.mark_done(KEY, "remote:1:0b") is False  # a late report: ignored
+    assert gates.is_open(KEY)
+
+
+def test_an_announcement_of_the_current_epoch_with_a_held_failure_fails_the_round() -> None:
+    gates = SlotGates()
+    fence = RecordingFence(gates)
+    gates.attach_fence(fence)
+    gates.new_epoch()
+    gates.announce(KEY, "remote:3:0")
+    gates.mark_failed(KEY, "remote:3:0", "decode failed to read")
+    gates.close(KEY, ["store:3:0"], take_announced=True)
+    gates.mark_done(KEY, "store:3:0")
+    with pytest.raises(SlotFailedError, match="decode failed to read"):
+        gates.wait(KEY, 0)
+    assert fence.advanced == [(KEY, False)]  # advanced once, before anyone saw the failure
+
+
 def test_joined_reads_from_many_threads_release_the_slot_exactly_when_all_are_in() -> None:
     rng = random.Random(3)
     for round_ in range(50):

@@ -8,6 +8,7 @@ its aliased buffer, and when, is observable.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 import threading
 import time
 
@@ -114,8 +115,10 @@ def rig():
 
 
 def forward(worker: LayerwiseWorker, caches: dict, meta: LayerwiseMetadata,
-            write: dict[int, float], seen: dict[str, torch.Tensor] | None = None) -> None:
-    """One step as vLLM runs it: per layer cache write, wait hook, attention, save hook."""
+            write: dict[int, float], seen: dict[str, torch.Tensor] | None = None,
+            before_save: Callable[[str], None] | None = None) -> None:
+    """One step as vLLM runs it: per layer cache write, wait hook, attention, save hook
+    (``before_save``: what a composing connector does first, e.g. publish the layer)."""
     worker.start_step(meta)
     for name in NAMES:
         layer = int(name.split(".")[2])
@@ -124,6 +127,8 @@ def forward(worker: LayerwiseWorker, caches: dict, meta: LayerwiseMetadata,
         worker.before_attention(name)  # wait_for_layer_load
         if seen is not None:
             seen[name] = caches[name].clone()  # what attention reads
+        if before_save is not None:
+            before_save(name)
         worker.after_attention(name)  # save_kv_layer
     worker.finish_step()
 
@@ -388,19 +393,19 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
     the save is kept (not poisoned), so the next step finds every layer in the store."""
     worker, store, caches = rig
 
-    def failing_remote_read(layer_name: str, step: int) -> set[str]:
-        part = f"remote:{step}:{layer_name}"
+    def failing_remote_read(layer_name: str) -> None:
+        part = f"remote:{layer_name}"
         slot = worker._buffers[layer_name].slot
-        worker.gates.announce(slot, part)  # reported before the round closes, as a read can
-        worker.gates.mark_failed(slot, part, "decode failed to read")
-        return {part}
+        worker.gates.announce(slot, part)  # the round takes it when the layer closes
+        worker.gates.mark_failed(slot, part, "decode failed to read")  # before it does
 
     forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
     store.events.clear()
     store.put_delay = 0.05
-    worker.extra_parts = failing_remote_read
-    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0})
-    worker.extra_parts = None
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0},
+            before_save=failing_remote_read)
+    last_round = worker.gates.error(worker._buffers[NAMES[-1]].slot)  # taken, and it failed
+    assert last_round is not None and "decode failed to read" in last_round
     assert {KEYS.key("b2", i) for i in range(6)} <= set(store.values)  # no save poisoned
     time_of = {(kind, key): t for kind, key, t in store.events}
     for layer in range(3, 6):  # layer L reuses layer L-2's buffer

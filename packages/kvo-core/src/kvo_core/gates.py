@@ -39,6 +39,14 @@ Decisions, so callers can rely on them:
   so the READY is out early and a shared buffer never waits for a read not yet requested). The
   first report of an announced part is held and applied when the round naming it is closed.
   Announcements whose round never comes are dropped past ``MAX_ANNOUNCED`` (oldest first).
+- The slot's owner may take every announced part into its round without naming them
+  (``close(..., take_announced=True)``): the announcer then only reports parts, and nothing
+  carries part names from it to the owner. Announcements are keyed by epoch: the owner starts
+  an epoch per step (``new_epoch``), an announcement belongs to the epoch it was made in, and
+  ``close`` takes only the current epoch's. An announcement of an earlier epoch (its step
+  closed no round on the slot) is stale: never taken, dropped with its held report at the
+  next epoch, its later reports ignored. Else it would join a later round and could hold it
+  busy or fail it with a report that belongs to another step's content.
 - A part may be the join of sub-parts (``join(key, part, sub_parts)``): each sub-part (e.g. one
   per decode endpoint that was sent a READY) reports like a part; the joined part reports done
   when every sub-part is done, failed with the first sub-part failure. The joined part must be
@@ -161,6 +169,8 @@ class SlotGates:
         self._changed = threading.Condition()
         self._rounds: dict[SlotKey, _Round] = {}
         self._announced: OrderedDict[tuple[SlotKey, str], list[_Outcome]] = OrderedDict()
+        self._announced_epoch: dict[tuple[SlotKey, str], int] = {}
+        self._epoch = 0
         self._joins: dict[tuple[SlotKey, str], _Join] = {}  # (key, sub-part) -> its join
         self._pump: GatePump | None = None
         self._pumping_thread: int | None = None
@@ -182,8 +192,19 @@ class SlotGates:
             self._pump = pump
             self._changed.notify_all()
 
-    def close(self, key: SlotKey, parts: Iterable[str]) -> None:
-        """Mark the slot busy until every one of ``parts`` reports."""
+    def new_epoch(self) -> int:
+        """Start the owner's next epoch (one per step): announcements made before it are
+        stale for ``close(..., take_announced=True)`` and are dropped now."""
+        with self._changed:
+            self._epoch += 1
+            for entry in [e for e, epoch in self._announced_epoch.items()
+                          if epoch != self._epoch]:
+                self._forget_announcement(entry)
+            return self._epoch
+
+    def close(self, key: SlotKey, parts: Iterable[str], *, take_announced: bool = False) -> None:
+        """Mark the slot busy until every one of ``parts`` reports; with ``take_announced``
+        also until every part announced on the slot in the current epoch reports."""
         key = _check_key(key)
         expected = frozenset(_check_part(p) for p in parts)
         with self._changed:
@@ -192,12 +213,20 @@ class SlotGates:
                 raise GateStateError(
                     f"slot {slot_name(key)} is still busy (waiting for "
                     f"{_names(current.pending)}); wait for it before closing it again")
+            if take_announced:
+                expected |= {part for (slot, part), epoch in self._announced_epoch.items()
+                             if slot == key and epoch == self._epoch}
             current = self._rounds[key] = _Round(expected=expected, pending=set(expected))
             for part in sorted(expected):
-                early = self._announced.pop((key, part), None)
+                early = self._forget_announcement((key, part))
                 if early:  # reported before this round existed: apply the first report
                     self._apply(key, current, part, early[0])
             self._changed.notify_all()
+
+    def _forget_announcement(self, entry: tuple[SlotKey, str]) -> list[_Outcome] | None:
+        """(lock held) Drop an announcement; its held reports, or None if there was none."""
+        self._announced_epoch.pop(entry, None)
+        return self._announced.pop(entry, None)
 
     def announce(self, key: SlotKey, part: str) -> None:
         """``part`` will be a part of the next round closed on ``key``; its report may come
@@ -208,8 +237,10 @@ class SlotGates:
                 raise GateStateError(f"part {part!r} of slot {slot_name(key)} is already "
                                      f"announced; use part names unique per round")
             while len(self._announced) >= MAX_ANNOUNCED:
-                self._announced.popitem(last=False)  # its round never came
+                oldest, _ = self._announced.popitem(last=False)  # its round never came
+                self._announced_epoch.pop(oldest, None)
             self._announced[(key, part)] = []
+            self._announced_epoch[(key, part)] = self._epoch
 
     def join(self, key: SlotKey, part: str, sub_parts: Iterable[str]) -> None:
         """``part`` (announced, or pending in the current round) is reported by ``sub_parts``:

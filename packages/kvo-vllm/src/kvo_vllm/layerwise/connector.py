@@ -54,7 +54,7 @@ from kvo_vllm.layerwise.store_client import (
     release_store,
     store_options_from,
 )
-from kvo_vllm.layerwise.worker_side import ExtraParts, LayerwiseStats, LayerwiseWorker, LoadHook
+from kvo_vllm.layerwise.worker_side import LayerwiseStats, LayerwiseWorker, LoadHook
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     SPARSE_OFFLOAD_METRICS,
@@ -191,16 +191,13 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
 
     @property
     def slot_gates(self) -> SlotGates:
-        """The gates guarding buffer reuse; a composing connector reports its parts here."""
+        """The gates guarding buffer reuse. A composing connector announces its parts here
+        during the step (``announce``); each layer's round takes them (``take_announced``)."""
         return self.worker.gates
 
     def slot_key(self, cache_name: str) -> SlotKey:
         """The buffer slot of a layer, by the name of any of its caches."""
         return self.worker.slot_key(cache_name)
-
-    def set_extra_slot_parts(self, parts: ExtraParts | None) -> None:
-        """Further consumers a layer's buffer waits for before reuse (e.g. remote readers)."""
-        self.worker.extra_parts = parts
 
     def set_load_hook(self, hook: LoadHook | None) -> None:
         """Test hook: called with each cache (main KV, indexer) and the block ids just loaded."""

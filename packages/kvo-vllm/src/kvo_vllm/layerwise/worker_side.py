@@ -54,8 +54,6 @@ LoadHook = Callable[[str, torch.Tensor, list[int]], None]
 """Called after a layer's blocks were loaded, once per cache part: (cache name, cache, loaded
 block ids). A dense layer has one cache (named like the layer); a DSA layer two (its MLA cache
 and its indexer's key cache)."""
-ExtraParts = Callable[[str, int], Iterable[str]]
-"""Further consumers of a layer's buffer for one step: (layer name, step) -> part names."""
 
 STORE_PART = "store"
 LOAD_ATTEMPTS = 3
@@ -154,7 +152,6 @@ class LayerwiseWorker:
         self.prefetch_depth = prefetch_depth
         self.layer_deadline_s = layer_deadline_s
         self.gates = SlotGates()
-        self.extra_parts: ExtraParts | None = None
         self.load_hook: LoadHook | None = None
         self.stats = LayerwiseStats()
         self._stats_lock = threading.Lock()
@@ -210,6 +207,7 @@ class LayerwiseWorker:
         if not self._buffers:
             raise PipelineError("register_kv_caches must run before the first step")
         self._step += 1
+        self.gates.new_epoch()  # parts announced for an earlier step never join this one's
         self._meta = meta
         self._ready = set()
         self._pending_loads = {}
@@ -244,10 +242,9 @@ class LayerwiseWorker:
             return
         buffer = self._buffers[layer_name]
         part = f"{STORE_PART}:{self._step}:{buffer.layer.index}"
-        parts = {part}
-        if self.extra_parts is not None:
-            parts.update(self.extra_parts(layer_name, self._step))
-        self.gates.close(buffer.slot, parts)
+        # Further consumers of the buffer (a composing connector's remote reads) announced
+        # their parts on the gates in this step; the round takes them with the save.
+        self.gates.close(buffer.slot, {part}, take_announced=True)
         saves = self._trusted_saves(buffer)
         self._save_futures.append(self._saver.submit(self._save_layer, buffer, part, saves))
         position = self._position[layer_name] + 1

@@ -131,7 +131,6 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self.sender: PrefillSender | None = None
         self.puller: DecodePuller | None = None
         self._load_errors: set[int] = set()
-        self.last_parts: list[str] = []
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RemoteD2HScheduler(block_size=_block_size(kv_cache_config),
                                                  block_ids_of=self._block_ids_of)
@@ -183,7 +182,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self.last_parts = [] if self.sender is None else self.sender.publish_layer(layer_name)
+        if self.sender is not None:
+            self.sender.publish_layer(layer_name)
 
     def wait_for_save(self) -> None:
         return

@@ -17,11 +17,14 @@ Composition rules (what upstream's generic MultiConnector cannot guarantee):
   ``request_finished``, ``shutdown``), whatever ``order`` says; ``order`` only orders the
   remaining hooks, where it does not change the outcome;
 - one slot-gate table, the layerwise pipeline's own (kvo_core.gates ``SlotGates``): it
-  closes a reused buffer's round with its store save *and* the layer's remote-read part, so
-  the buffer opens only when the save and every decode read of it are done. RemoteD2H
-  announces that part and publishes the layer before the layerwise pipeline closes the round
-  (its reads report into the part, early answers are held until the round closes), so a
-  single shared buffer never waits for a read that was not requested yet.
+  closes a reused buffer's round with its store save *and* every part announced on the slot
+  in the step (``take_announced``), so the buffer opens only when the save and every decode
+  read of it are done. RemoteD2H announces the layer's remote-read part and publishes the
+  layer before the layerwise pipeline closes the round (its reads report into the part, early
+  answers are held until the round closes), so a single shared buffer never waits for a read
+  that was not requested yet. The two halves share only the gates: no part names pass through
+  this class. Announcements are keyed by the layerwise step (``new_epoch``): one made in a
+  step that closed no round on the slot never joins a later round.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -142,12 +145,10 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
             # One gate table for both: the layerwise pipeline's, which it waits on; the
             # remote reads report into it.
             self.gates = self.layerwise.slot_gates
-            self.layerwise.set_extra_slot_parts(self._remote_parts)
         self.remote = RemoteD2HConnector(
             _sub_config(vllm_config, self.options.remote, "RemoteD2HConnector"), role,
             kv_cache_config, gates=self.gates,
             slot_key_of=self.layerwise.slot_key if role == KVConnectorRole.WORKER else None)
-        self._parts: dict[str, list[str]] = {}
         self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
                                 else None, self.snapshot)
         self._chosen: dict[str, KVConnectorBase_V1] = {}
@@ -163,9 +164,6 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
     @property
     def _completion_first(self) -> list[KVConnectorBase_V1]:
         return [self.remote, self.layerwise]
-
-    def _remote_parts(self, layer_name: str, step: int) -> Iterable[str]:
-        return self._parts.get(layer_name, ())
 
     # ==== worker side ====================================================================
 
@@ -188,7 +186,6 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
         super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._parts = {}
         for connector in self._completion_first:
             connector.start_load_kv(forward_context, **kwargs)
 
@@ -206,7 +203,6 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
             self.remote.sender.give_up_requests(
                 failed, f"a store load failed before layer {layer_name} was published")
         self.remote.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-        self._parts[layer_name] = list(self.remote.last_parts)
         self.layerwise.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:

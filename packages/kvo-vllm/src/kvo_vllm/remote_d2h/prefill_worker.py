@@ -12,7 +12,8 @@ completion (its blocks may be freed).
 Buffer reuse: with a slot-gate table (KvoMultiConnector gives the layerwise pipeline's), each
 layer's reads are one part of the round the layer pipeline closes on the buffer: the sender
 announces the part ``remote:STEP:LAYER:DECODE_TP`` before publishing (the answers may beat the
-round) and its publisher joins the per-endpoint reads into it (kvo_core.gates). Without one
+round) and its publisher joins the per-endpoint reads into it (kvo_core.gates); the pipeline's
+round takes every part announced on the slot in its step, so no part name travels back. Without one
 (RemoteD2H alone) nothing reuses the buffers and no slot is reported.
 
 Fences (kvo_transport.fence): the sender's epoch words are registered with its engine and
