@@ -8,9 +8,9 @@ its aliased buffer, and when, is observable.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
