@@ -76,18 +76,18 @@ def wait_answering(store: Any, timeout_s: float = 30.0) -> None:
 
 
 def test_a_local_hit_the_restarted_master_lost_is_recomputed_not_promised(memory: int) -> None:
-    master = MooncakeMaster().start()
-    store = create_kv_store("mooncake", master_address=master.address)
     evicted: list[list[bytes]] = []
 
     def evict(block_hashes: Sequence[Any]) -> int:
         evicted.append(list(block_hashes))
         return len(block_hashes)
 
-    scheduler = LayerwiseScheduler(
-        block_size=BS, stored_parts=PARTS, keys=KEYS, tp_size=1, engine_id="E",
-        store_exists=store.exists, block_ids_of=lambda rid: [], evict_local=evict)
+    master = MooncakeMaster().start()
+    store = create_kv_store("mooncake", master_address=master.address)
     try:
+        scheduler = LayerwiseScheduler(
+            block_size=BS, stored_parts=PARTS, keys=KEYS, tp_size=1, engine_id="E",
+            store_exists=store.exists, block_ids_of=lambda rid: [], evict_local=evict)
         store.register(memory, 1 << 20)
         first = Prompt("first", 13)  # 3 full blocks, saved by an earlier request
         keys = [KEYS.key(hashed_block_name(h), layer, part)
