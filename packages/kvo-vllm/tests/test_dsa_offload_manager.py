@@ -18,6 +18,7 @@ import torch
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_manager import OffloadManager
+from kvo_vllm.dsa.offload_stats import OffloadStats
 from kvo_vllm.sparse.layout import SparseModelLayout
 
 BS = 4
@@ -152,7 +153,7 @@ def _run_steps(manager: OffloadManager, steps: int, seed: int) -> int:
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(backend: str) -> None:
-    manager = _manager(residency_backend=backend)
+    manager = _manager(residency_backend=backend, stats=OffloadStats(history_limit=10**6))
     if backend == "native" and type(manager.tables[0]).__name__ != "NativeResidencyTable":
         manager.close()
         pytest.skip("kvo-kernels' native residency op does not build here")
@@ -163,14 +164,19 @@ def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(backend:
         assert totals.hits > 0 and totals.misses > 0   # both paths really exercised
         assert totals.h2d_bytes == totals.misses * manager.row_bytes
         assert totals.h2d_bytes < totals.full_reload_bytes
+        # Short requests were served NOT_OFFLOADED, and some outgrew their hot row on the way.
+        history = manager.stats.history
+        assert sum(s.identity_rows for s in history) > 100
+        assert sum(s.first_offloads for s in history) > 5
     finally:
         manager.close()
 
 
 def test_pool_really_read_and_misses_copied_once() -> None:
     """A decode row: first call copies its selection, the same selection again copies nothing;
-    a pool row changed behind the manager's back shows only once it is a miss again."""
-    manager = _manager()
+    a pool row changed behind the manager's back shows only once it is a miss again. (The hot
+    row holds K rows, so the 9-token request is offloaded from its first decode step.)"""
+    manager = _manager(decode_query_rows=1, capacity=K)
     try:
         table = torch.tensor([[1, 2, 3, 0]], dtype=torch.int32)
         qsl = torch.tensor([0, 1])

@@ -44,6 +44,7 @@ from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_vllm.dsa.main_kv import attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
+from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
 from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
 from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
@@ -132,6 +133,8 @@ class OffloadManager:
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
                              for _ in range(layout.num_layers)]
+            self.identity_rows = [IdentityRows(max_rows=max_rows, capacity=capacity)
+                                  for _ in range(layers)]
         except BaseException:
             self.store.close()
             raise
@@ -231,6 +234,8 @@ class OffloadManager:
         bs = self.block_size
         query_lens = qsl[1:requests + 1] - qsl[:requests]
         blocks = block_table[:requests].cpu().to(_I64)
+        if self._identity_in_play(layer, seq_lens):
+            return self._gather_with_identity(layer, topk, qsl, seq_lens, query_lens, blocks)
         if count == requests and bool((query_lens == 1).all()):
             return self._gather_decode_step(layer, topk, seq_lens, query_lens, blocks)
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
@@ -304,9 +309,11 @@ class OffloadManager:
 
     def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
                           stable: torch.Tensor, requests: int,
-                          steady: torch.Tensor | None = None) -> ResidencyResult:
+                          steady: torch.Tensor | None = None,
+                          first: torch.Tensor | None = None) -> ResidencyResult:
         """One residency update of the first ``requests`` rows (the rest: no request); rows
-        outside ``steady`` (bool [requests], default all) are left NOT_OFFLOADED."""
+        outside ``steady`` (bool [requests], default all) are left NOT_OFFLOADED, rows in
+        ``first`` (a subset of ``steady``) go FIRST_OFFLOAD."""
         padded, request_ids, stable_lens, states = self._update_inputs_np
         padded.fill(-1)
         padded[:requests, :row_topk.shape[1]] = row_topk.numpy()
@@ -319,6 +326,8 @@ class OffloadManager:
             states[:requests] = int(RequestState.STEADY)
         else:
             states[:requests][steady.numpy()] = int(RequestState.STEADY)
+        if first is not None:
+            states[:requests][first.numpy()] = int(RequestState.FIRST_OFFLOAD)
         return self.tables[layer].update(*self._update_inputs, out=self.results[layer])
 
     def _copy_misses(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
@@ -338,9 +347,10 @@ class OffloadManager:
 
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
                    decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,
-                   seq_lens: torch.Tensor, query_lens: torch.Tensor, blocks: torch.Tensor
-                   ) -> tuple[torch.Tensor, int]:
-        """Residency update, miss copies; returns each token's hot-buffer rows and the misses."""
+                   seq_lens: torch.Tensor, query_lens: torch.Tensor, blocks: torch.Tensor,
+                   first: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Residency update, miss copies; returns each token's hot-buffer rows and the misses
+        (rows in ``decode`` go STEADY, or FIRST_OFFLOAD if in ``first``)."""
         count, width = topk.shape
         requests = int(seq_lens.shape[0])
         cap = self.capacity
@@ -352,10 +362,86 @@ class OffloadManager:
         tok = decode_tok.nonzero().squeeze(1)
         row_topk[req[tok][:, None].expand(-1, width), cols[tok]] = topk[tok]
         result = self._update_residency(layer, row_topk, serials, seq_lens - query_lens,
-                                        requests, steady=decode)
+                                        requests, steady=decode, first=first)
         misses = self._copy_misses(layer, result, blocks, requests)
         slots = result.slots[req[:, None], cols].to(_I64)                 # [T, K]
         return (req[:, None] * cap + slots.clamp(min=0)), misses
+
+    # -- NOT_OFFLOADED rows (identity mapping; rules: offload_hot_rows) ----------------------
+
+    def _identity_in_play(self, layer: int, seq_lens: torch.Tensor) -> bool:
+        """Whether this call may have a NOT_OFFLOADED row, or a row leaving that state."""
+        return self.identity_rows[layer].any_held or (
+            bool(seq_lens.numel()) and int(seq_lens.min()) <= self.capacity)
+
+    def _fill_identity_rows(self, layer: int, plan: IdentityPlan, blocks: torch.Tensor) -> int:
+        """Copy the pool rows the plan lists into their identity slots; returns how many."""
+        rows, pos = plan.fill_rows, plan.fill_pos
+        if not rows.numel():
+            return 0
+        bs = self.block_size
+        src = blocks[rows, pos // bs] * bs + pos % bs
+        dst = (rows * self.capacity + pos).to(self.device)
+        self.hot[layer].index_copy_(0, dst, self.pool_layer(layer)[src].to(self.device))
+        return int(rows.numel())
+
+    def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
+                              seq_lens: torch.Tensor, query_lens: torch.Tensor,
+                              blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` of a batch with NOT_OFFLOADED rows (or rows leaving that state): those
+        read ``hot[row * capacity + position]``, with no residency update and no miss copy;
+        other decode rows go through residency (FIRST_OFFLOAD on the call they outgrow
+        their hot row), prefill rows read the pool, as in the general path."""
+        count, width = topk.shape
+        requests = int(seq_lens.shape[0])
+        req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
+        if req.numel() != count:
+            raise ValueError(f"top-k has {count} rows, the query start locations name "
+                             f"{req.numel()} tokens")
+        started = time.perf_counter()
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        decode = (query_lens >= 1) & (query_lens <= self.decode_query_rows)
+        self.identity[layer].forget(~decode)
+        plan = self.identity_rows[layer].plan(serials, seq_lens, query_lens, decode)
+        filled = self._fill_identity_rows(layer, plan, blocks)
+        valid = topk >= 0
+        pos = topk.clamp(min=0)
+        hot = self.hot[layer]
+        out = torch.empty(count, width, self.layout.row_dim, dtype=hot.dtype,
+                          device=self.device)
+        ident_tok = plan.identity[req]
+        if bool(ident_tok.all()):
+            out = hot[(req[:, None] * self.capacity + pos).to(self.device)]
+        elif bool(ident_tok.any()):
+            out[ident_tok.to(self.device)] = hot[
+                (req[ident_tok][:, None] * self.capacity + pos[ident_tok]).to(self.device)]
+        offloaded = decode & ~plan.identity
+        offloaded_tok = offloaded[req]
+        misses = 0
+        if bool(offloaded.any()):
+            hot_index, misses = self._residency(layer, topk, req, qsl, offloaded,
+                                                offloaded_tok, serials, seq_lens, query_lens,
+                                                blocks, first=plan.first)
+            out[offloaded_tok.to(self.device)] = hot[hot_index[offloaded_tok].to(self.device)]
+        direct = ~decode[req]
+        if bool(direct.any()):
+            bs = self.block_size
+            pool_rows = blocks[req[direct]].gather(1, pos[direct] // bs) * bs + (
+                pos[direct] % bs)
+            out[direct.to(self.device)] = self.pool_layer(layer)[pool_rows].to(self.device)
+        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
+        decode_tok = decode[req]
+        selected = int(valid[decode_tok].sum())
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
+            pool_rows=int((~decode).sum()), selected=selected, hits=selected - misses,
+            misses=misses, h2d_bytes=misses * self.row_bytes,
+            full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
+            pool_rows_used=int(seq_lens.sum()),
+            residency_seconds=time.perf_counter() - started,
+            identity_rows=int(plan.identity.sum()), identity_fills=filled,
+            first_offloads=int(plan.first.sum())))
+        return out, valid.to(self.device)
 
     def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -36,6 +36,9 @@ class OffloadLayerStats:
     full_reload_bytes: int  # bytes a reload of the decode rows' whole history would move
     pool_rows_used: int     # tokens the batch's requests hold in the pool (sum of seq lens)
     residency_seconds: float = 0.0
+    identity_rows: int = 0     # decode rows NOT_OFFLOADED (read at identity slots, no residency)
+    identity_fills: int = 0    # rows copied pool -> their identity slots (new rows, joins)
+    first_offloads: int = 0    # decode rows that left NOT_OFFLOADED in this call
 
 
 @attrs.define
