@@ -12,6 +12,9 @@ decode step (the output changes from that step on: the pool is really read), and
 request resident rows' pool copies are overwritten (that step is unchanged: hits come from the
 hot buffer). Bytes copied host -> device (measured at the copy op) equal the misses x row
 bytes; the device holds the hot buffers and a one-value-per-token placeholder, not the rows.
+Last, a prompt shorter than the hot row (capacity 2 x top-k = 64) decodes past it, alone on
+both engines: NOT_OFFLOADED (no copy) until its sequence outgrows the row, then one
+FIRST_OFFLOAD step that copies exactly its selection, then STEADY; tokens and logprobs equal.
 
 By hand: ``HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 python -m pytest -q
 tests/e2e/test_dsa_offload.py`` (``nox -s e2e`` sets these).
@@ -44,6 +47,9 @@ MISS_PROMPT = "A pool row that is selected and not resident must be read from th
 HIT_PROMPT = "Rows already in the hot buffer are served from it without a copy. " * 2
 PROBE_TOKENS = 8
 PROBE_STEP = 3       # the decode step (1 = first decode) before which rows are overwritten
+CAPACITY = 2 * INDEX_TOPK   # the default hot row
+SHORT_PROMPT = "Short prompts start in the hot row. "      # < CAPACITY tokens
+SHORT_TOKENS = 48    # decodes past CAPACITY
 
 Answers = list[tuple[list[int], list[float]]]
 
@@ -147,6 +153,10 @@ class Runs:
     resident_main_kv_bytes: int
     offload_main_kv_bytes: int
     pool_bytes: int
+    short_prompt_tokens: int
+    resident_short: tuple[list[int], list[float]]
+    offload_short: tuple[list[int], list[float]]
+    short_calls: list[Any]             # the offload engine's layer calls for SHORT_PROMPT
 
 
 def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
@@ -191,6 +201,8 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         resident = _generate(llm, PROMPTS, MAX_TOKENS)
         resident_preemptions = preempted[0]
         probes = [_generate(llm, [p], [PROBE_TOKENS])[0] for p in (MISS_PROMPT, HIT_PROMPT)]
+        resident_short = _generate(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
+        short_prompt_tokens = len(llm.get_tokenizer()(SHORT_PROMPT).input_ids)
         resident_main = _main_kv_bytes(llm)
         _stop(llm)
         del llm
@@ -220,6 +232,9 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         restore = _overwrite_before_step(mp, resident=True, misses=probe_misses)
         hit_probe = _generate(llm, [HIT_PROMPT], [PROBE_TOKENS])[0]
         restore()
+        calls_before = len(worker.stats.history)
+        offload_short = _generate(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
+        short_calls = list(worker.stats.history)[calls_before:]
         yield Runs(
             resident=resident, offload=offload, resident_preemptions=resident_preemptions,
             offload_preemptions=offload_preemptions, resident_probes=probes,
@@ -228,7 +243,9 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             row_bytes=manager.row_bytes,
             hot_bytes=manager.hot_buffer_bytes, num_blocks=manager.num_blocks,
             block_size=manager.block_size, resident_main_kv_bytes=resident_main,
-            offload_main_kv_bytes=_main_kv_bytes(llm), pool_bytes=manager.pool_region[1])
+            offload_main_kv_bytes=_main_kv_bytes(llm), pool_bytes=manager.pool_region[1],
+            short_prompt_tokens=short_prompt_tokens, resident_short=resident_short,
+            offload_short=offload_short, short_calls=short_calls)
         _stop(llm)
 
 
@@ -278,6 +295,24 @@ def test_hits_are_served_from_the_hot_buffer(runs: Runs) -> None:
     _, logprobs = runs.hit_probe
     # Only resident rows were overwritten in the pool: the probed step reads their hot copies.
     assert logprobs[:PROBE_STEP + 1] == reference[:PROBE_STEP + 1]
+
+
+def test_short_prompt_stays_on_the_device_until_it_outgrows_the_hot_row(runs: Runs) -> None:
+    assert runs.short_prompt_tokens < CAPACITY < runs.short_prompt_tokens + SHORT_TOKENS
+    assert runs.offload_short == runs.resident_short
+    decode = [s for s in runs.short_calls if s.decode_rows]
+    first = [i for i, s in enumerate(decode) if s.first_offloads]
+    assert len(first) == NUM_LAYERS                      # once, in every layer
+    before, at = decode[:first[0]], decode[first[0]:first[0] + NUM_LAYERS]
+    after = decode[first[0] + NUM_LAYERS:]
+    # NOT_OFFLOADED: identity slots, no residency, nothing copied by the miss path.
+    assert before and all(s.identity_rows == 1 and s.misses == 0 == s.h2d_bytes
+                          for s in before)
+    # The step whose sequence is CAPACITY + 1 copies exactly its selection, once.
+    assert all(s.pool_rows_used == CAPACITY + 1 for s in at)
+    assert all(s.misses == s.selected == INDEX_TOPK for s in at)
+    assert after and all(s.identity_rows == 0 == s.first_offloads for s in after)
+    assert sum(s.misses for s in after) < len(after) * INDEX_TOPK   # STEADY: hits from here
 
 
 @attrs.frozen

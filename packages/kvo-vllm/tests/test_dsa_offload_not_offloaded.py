@@ -166,7 +166,7 @@ def test_preempted_request_and_a_new_one_in_its_blocks_get_their_own_rows(
     harness.step([(a, 6)])
     for _ in range(2):
         harness.step([(a, 1)])
-    b = _Req(blocks=[5, 6, 18, 19])                         # a preempted, its blocks and row go to b
+    b = _Req(blocks=[5, 6, 18, 19])         # a preempted: its blocks and row go to b
     harness.step([(b, 5)])
     for _ in range(3):
         stats = harness.step([(b, 1)])

@@ -10,7 +10,10 @@ of its stable prefix are unchanged) copies only positions ``[min(filled, stable)
 i.e. this call's new rows plus any speculative rows past the stable prefix (they may have
 been rewritten); any other row (a new request, a prompt written by prefill chunks or pulled
 by P/D, a prefix-cache hit, a resumed preemption: all come with a fresh serial) copies
-``[0, seq_len)``, at most ``capacity`` rows.
+``[0, seq_len)``, at most ``capacity`` rows. The copy is done in ``gather``, where the batch
+row of each position is known (``write`` gets slot ids only); on this CPU build pool and hot
+buffer are the same RAM, so a device build would rather write a step's new rows into the hot
+row from the model's output and copy only the joins.
 
 When the sequence outgrows the hot row the row goes FIRST_OFFLOAD for that one call (the
 residency table resets the row and copies the selection, ascending), then STEADY; it is no
@@ -46,6 +49,25 @@ class IdentityRows:
         self._serials = torch.full((max_rows,), -1, dtype=_I64)
         self._filled = torch.zeros(max_rows, dtype=_I64)
         self.any_held = False
+
+    def plan_decode_step(self, serials: torch.Tensor, seq_lens: torch.Tensor,
+                         query_lens: torch.Tensor) -> IdentityPlan:
+        """:meth:`plan` for a batch whose every row decodes one token and fits its hot row
+        (the steady state of short requests: each row copies just its new position)."""
+        rows = int(seq_lens.shape[0])
+        stable = seq_lens - 1
+        if not bool(((self._serials[:rows] == serials) & (self._filled[:rows] == stable)).all()):
+            return self.plan(serials, seq_lens, query_lens,
+                             torch.ones(rows, dtype=torch.bool))
+        self._filled[:rows] = seq_lens
+        if self.any_held_beyond(rows):
+            self._serials[rows:] = -1
+        return IdentityPlan(identity=torch.ones(rows, dtype=torch.bool),
+                            first=torch.zeros(rows, dtype=torch.bool),
+                            fill_rows=torch.arange(rows, dtype=_I64), fill_pos=stable)
+
+    def any_held_beyond(self, rows: int) -> bool:
+        return rows < self._serials.shape[0] and bool((self._serials[rows:] >= 0).any())
 
     def plan(self, serials: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
              decode: torch.Tensor) -> IdentityPlan:

@@ -22,13 +22,22 @@ Per layer call:
    read their rows straight from the pool: their top-k union would not fit a hot row, and
    they write most of what they read in the same call.
 
+   A decode row whose request's sequence, this call's tokens included, fits its hot row
+   (``seq_len <= capacity``) is NOT_OFFLOADED instead: its hot row holds position ``p`` at
+   slot ``p``, filled from the pool once per position (``offload_hot_rows``), and its top-k
+   is read as ``hot[row * capacity + p]``: no residency update, no miss copy. The call its
+   sequence outgrows the row it goes FIRST_OFFLOAD (the table resets the row and copies the
+   selection, ascending), then STEADY. Batches with no such row take the paths above
+   unchanged (``_identity_in_play``).
+
 Either way a token gets bit-identical rows in top-k order, so attention over them equals the
 resident path's. Row identity between calls: ``offload_identity.RowIdentity``.
 
 With ``fused=True`` (``kernel_backend="fused"``) the decode rows take the fused ops instead
 (:mod:`kvo_vllm.dsa.offload_fused`): :meth:`OffloadManager.attend` runs indexer + residency +
 copy + attention for them and the pool path above for the rest; the pool then keeps latent and
-rope apart, and ``gather`` is not used.
+rope apart, and ``gather`` is not used. The fused path has no NOT_OFFLOADED rows yet: every
+decode row goes through its ops.
 """
 
 from __future__ import annotations
@@ -235,6 +244,9 @@ class OffloadManager:
         query_lens = qsl[1:requests + 1] - qsl[:requests]
         blocks = block_table[:requests].cpu().to(_I64)
         if self._identity_in_play(layer, seq_lens):
+            if count == requests and int(seq_lens.max()) <= self.capacity and bool(
+                    (query_lens == 1).all()):
+                return self._gather_identity_step(layer, topk, seq_lens, query_lens, blocks)
             return self._gather_with_identity(layer, topk, qsl, seq_lens, query_lens, blocks)
         if count == requests and bool((query_lens == 1).all()):
             return self._gather_decode_step(layer, topk, seq_lens, query_lens, blocks)
@@ -384,6 +396,29 @@ class OffloadManager:
         dst = (rows * self.capacity + pos).to(self.device)
         self.hot[layer].index_copy_(0, dst, self.pool_layer(layer)[src].to(self.device))
         return int(rows.numel())
+
+    def _gather_identity_step(self, layer: int, topk: torch.Tensor, seq_lens: torch.Tensor,
+                              query_lens: torch.Tensor, blocks: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` of a batch whose every row decodes one token and fits its hot row: the
+        rows of :meth:`_gather_with_identity`, in fewer ops (short requests' steady state)."""
+        requests = int(seq_lens.shape[0])
+        started = time.perf_counter()
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        plan = self.identity_rows[layer].plan_decode_step(serials, seq_lens, query_lens)
+        filled = self._fill_identity_rows(layer, plan, blocks)
+        valid = topk >= 0
+        out = self.hot[layer][(self._row_base[:requests] + topk.clamp(min=0)).to(self.device)]
+        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
+        selected = int(valid.sum())
+        context = int(seq_lens.sum())
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
+            selected=selected, hits=selected, misses=0, h2d_bytes=0,
+            full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
+            residency_seconds=time.perf_counter() - started, identity_rows=requests,
+            identity_fills=filled))
+        return out, valid.to(self.device)
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,

@@ -5,6 +5,9 @@ A "layer call" is one attention forward of one layer (one vLLM step runs every l
 (with several query rows per request, a position two rows select counts for each row);
 ``misses`` the distinct rows copied host -> device; ``h2d_bytes`` is ``misses x row bytes`` by
 construction of the copy, which tests check against the bytes the copy op really moved.
+NOT_OFFLOADED rows (``identity_rows``, whose sequence fits their hot row) count their selected
+entries as hits; ``identity_fills`` counts the rows copied pool -> hot row to keep them
+complete (one per row and step, a whole prompt when a request joins), not in ``misses``.
 ``residency_seconds`` is the wall time of the residency update and the miss copies (with
 ``kernel_backend="fused"``: of the two fused ops, which also score the indexer and attend).
 
