@@ -84,7 +84,7 @@ class _Harness:
                                         _Metadata(table, token_request))
             assert torch.equal(valid, want.valid)
             assert torch.equal(out[valid], want.rows[want.valid])
-            assert bool((out[~valid] == 0).all())
+            assert bool(torch.isfinite(out[~valid]).all())  # padding: anything (main_kv)
             stats.append(self.m.stats.last[layer])
         for r, q in batch:
             r.computed += q

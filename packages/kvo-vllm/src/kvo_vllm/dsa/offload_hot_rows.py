@@ -55,19 +55,20 @@ class IdentityRows:
         """:meth:`plan` for a batch whose every row decodes one token and fits its hot row
         (the steady state of short requests: each row copies just its new position)."""
         rows = int(seq_lens.shape[0])
-        stable = seq_lens - 1
-        if not bool(((self._serials[:rows] == serials) & (self._filled[:rows] == stable)).all()):
+        lens = seq_lens.numpy()
+        stable = lens - 1
+        # NumPy views of the state: a few small ops, where each torch op's dispatch costs more.
+        held, filled = self._serials.numpy(), self._filled.numpy()
+        if not ((held[:rows] == serials.numpy()) & (filled[:rows] == stable)).all():
             return self.plan(serials, seq_lens, query_lens,
                              torch.ones(rows, dtype=torch.bool))
-        self._filled[:rows] = seq_lens
-        if self.any_held_beyond(rows):
-            self._serials[rows:] = -1
+        filled[:rows] = lens
+        if rows < held.shape[0]:
+            held[rows:] = -1
         return IdentityPlan(identity=torch.ones(rows, dtype=torch.bool),
                             first=torch.zeros(rows, dtype=torch.bool),
-                            fill_rows=torch.arange(rows, dtype=_I64), fill_pos=stable)
-
-    def any_held_beyond(self, rows: int) -> bool:
-        return rows < self._serials.shape[0] and bool((self._serials[rows:] >= 0).any())
+                            fill_rows=torch.arange(rows, dtype=_I64),
+                            fill_pos=torch.from_numpy(stable))
 
     def plan(self, serials: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
              decode: torch.Tensor) -> IdentityPlan:

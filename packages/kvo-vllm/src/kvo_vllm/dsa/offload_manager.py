@@ -388,14 +388,14 @@ class OffloadManager:
 
     def _fill_identity_rows(self, layer: int, plan: IdentityPlan, blocks: torch.Tensor) -> int:
         """Copy the pool rows the plan lists into their identity slots; returns how many."""
-        rows, pos = plan.fill_rows, plan.fill_pos
-        if not rows.numel():
+        rows, pos = plan.fill_rows.numpy(), plan.fill_pos.numpy()
+        if not rows.size:
             return 0
         bs = self.block_size
-        src = blocks[rows, pos // bs] * bs + pos % bs
-        dst = (rows * self.capacity + pos).to(self.device)
+        src = torch.from_numpy(blocks.numpy()[rows, pos // bs] * bs + pos % bs)
+        dst = torch.from_numpy(rows * self.capacity + pos).to(self.device)
         self.hot[layer].index_copy_(0, dst, self.pool_layer(layer)[src].to(self.device))
-        return int(rows.numel())
+        return int(rows.size)
 
     def _gather_identity_step(self, layer: int, topk: torch.Tensor, seq_lens: torch.Tensor,
                               query_lens: torch.Tensor, blocks: torch.Tensor
@@ -407,9 +407,11 @@ class OffloadManager:
         serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         plan = self.identity_rows[layer].plan_decode_step(serials, seq_lens, query_lens)
         filled = self._fill_identity_rows(layer, plan, blocks)
+        # Padding entries read slot 0 of their row (main_kv's contract: may hold anything).
+        picks = np.maximum(topk.numpy(), 0) + self._row_base_np[:requests]
+        out = torch.index_select(self.hot[layer], 0,
+                                 torch.from_numpy(picks.ravel()).to(self.device))
         valid = topk >= 0
-        out = self.hot[layer][(self._row_base[:requests] + topk.clamp(min=0)).to(self.device)]
-        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
         selected = int(valid.sum())
         context = int(seq_lens.sum())
         self.stats.record(OffloadLayerStats(
@@ -418,7 +420,7 @@ class OffloadManager:
             full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
             residency_seconds=time.perf_counter() - started, identity_rows=requests,
             identity_fills=filled))
-        return out, valid.to(self.device)
+        return out.view(requests, topk.shape[1], -1), valid.to(self.device)
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
