@@ -79,6 +79,14 @@ struct RowOut {
   int32_t* miss_slots;
 };
 
+// One cell of the scratch hash: a selected token (valid tokens are < 2**31: the op checks
+// max_seq_len) and its slot, side by side so that an insertion or a look-up touches one
+// cache line (a step's hash is cold when its row's turn comes).
+struct Cell {
+  uint32_t key;  // the token, or kFreeKey
+  int32_t slot;  // its slot, -1 while unknown
+};
+
 // A deep log entry met by the scan, with its log position.
 struct Met {
   int64_t position;
@@ -91,13 +99,15 @@ struct Scratch {
   // The distinct selected tokens the window did not answer: open addressing (>= 2x the
   // width, a power of two), emptied in O(distinct), with a bit filter (16 bits per token)
   // that lets the log scans skip nearly every entry without probing.
-  std::vector<int64_t> keys;            // per cell: token, or kFreeCell
-  std::vector<int64_t> cell_slot;       // per cell: its token's slot, -1 while unknown
+  std::vector<Cell> cells;
   std::vector<int64_t> distinct_cells;  // first-occurrence order
   std::vector<uint64_t> filter;
   // The window's index: window_cell(token) -> window position. Only a hint: a position is
-  // used only when the window entry there holds the token.
-  std::vector<int32_t> window_index;
+  // used only when the window entry there holds the token. 16 bits: half the cache lines of
+  // int32 for the 2**15+ cells (measured ~10% of a cold row-step at 32K tokens). The window
+  // holds at most K entries (K = 2048 for DSA); past 2**16 an entry's position is stored
+  // truncated, never matches, and its hits take the slow path (right, only slower).
+  std::vector<uint16_t> window_index;
   std::vector<int64_t> filtered;        // deep log indices the filter let through
   std::vector<int64_t> slow;            // positions the window did not answer
   std::vector<int64_t> slow_cells;      // their tokens' cells
@@ -114,13 +124,12 @@ struct Scratch {
   uint64_t filter_mask = 0;
   uint64_t window_cell_mask = 0;
 
-  static constexpr int64_t kFreeCell = -1;
+  static constexpr uint32_t kFreeKey = 0xFFFFFFFFu;  // no valid token (they are < 2**31)
 
   void prepare(int64_t width, int64_t capacity, int64_t window_size, int64_t deep_size) {
     const uint64_t size = next_pow2(static_cast<uint64_t>(2 * width));
-    if (keys.size() != size) {
-      keys.assign(size, kFreeCell);
-      cell_slot.assign(size, kEmpty);
+    if (cells.size() != size) {
+      cells.assign(size, Cell{kFreeKey, static_cast<int32_t>(kEmpty)});
       hash_mask = size - 1;
       hash_shift = 64 - __builtin_ctzll(size);
       const uint64_t filter_bits =
@@ -159,16 +168,16 @@ struct Scratch {
     return (filter[bit >> 6] >> (bit & 63)) & 1;
   }
 
-  // Adds a token (once); returns its cell. The table never fills: at most `width` tokens in
-  // >= 2 * width cells.
+  // Adds a token in [0, 2**31) (once); returns its cell. The table never fills: at most
+  // `width` tokens in >= 2 * width cells.
   int64_t add(int64_t token) {
     uint64_t cell = home(token);
+    const auto key32 = static_cast<uint32_t>(token);
     while (true) {
-      const int64_t key = keys[cell];
-      if (key == token) return static_cast<int64_t>(cell);
-      if (key == kFreeCell) {
-        keys[cell] = token;
-        cell_slot[cell] = kEmpty;
+      const uint32_t key = cells[cell].key;
+      if (key == key32) return static_cast<int64_t>(cell);
+      if (key == kFreeKey) {
+        cells[cell] = Cell{key32, static_cast<int32_t>(kEmpty)};
         distinct_cells[num_distinct++] = static_cast<int64_t>(cell);
         const uint64_t bit = static_cast<uint64_t>(token) & filter_mask;
         filter[bit >> 6] |= uint64_t{1} << (bit & 63);
@@ -178,24 +187,28 @@ struct Scratch {
     }
   }
 
-  // The token's cell, or -1 when it was not added.
+  // The token's cell, or -1 when it was not added (any int64: a token outside [0, 2**31),
+  // which a corrupt entry may carry, matches no key).
   int64_t find(int64_t token) const {
     uint64_t cell = home(token);
     while (true) {
-      const int64_t key = keys[cell];
-      if (key == token) return static_cast<int64_t>(cell);
-      if (key == kFreeCell) return -1;
+      const uint32_t key = cells[cell].key;
+      if (key == kFreeKey) return -1;
+      if (static_cast<uint64_t>(key) == static_cast<uint64_t>(token)) {
+        return static_cast<int64_t>(cell);
+      }
       cell = (cell + 1) & hash_mask;
     }
   }
+  int64_t token_of(int64_t cell) const { return cells[cell].key; }
 
   // Leaves the hash and the filter empty again: O(distinct), not O(table).
   void clear_tokens() {
     for (int64_t i = 0; i < num_distinct; ++i) {
       const int64_t cell = distinct_cells[i];
-      const uint64_t bit = static_cast<uint64_t>(keys[cell]) & filter_mask;
+      const uint64_t bit = static_cast<uint64_t>(cells[cell].key) & filter_mask;
       filter[bit >> 6] = 0;  // every bit in the filter came from one of these tokens
-      keys[cell] = kFreeCell;
+      cells[cell].key = kFreeKey;
     }
     num_distinct = 0;
   }
@@ -265,7 +278,7 @@ inline void first_offload_row(Scratch& s, RowState& row, const Token* topk, int6
     cells[k] = (token < 0 || token >= limit) ? -1 : s.add(token);
   }
   const int64_t count = s.num_distinct;
-  for (int64_t i = 0; i < count; ++i) s.sorted_tokens[i] = s.keys[s.distinct_cells[i]];
+  for (int64_t i = 0; i < count; ++i) s.sorted_tokens[i] = s.token_of(s.distinct_cells[i]);
   std::sort(s.sorted_tokens.begin(), s.sorted_tokens.begin() + count);
   std::fill(row.tokens, row.tokens + row.capacity, kEmpty);
   row.lru.reset_rotated(count);  // the unused slots count..C-1, then the filled ones
@@ -273,13 +286,13 @@ inline void first_offload_row(Scratch& s, RowState& row, const Token* topk, int6
     const int64_t token = s.sorted_tokens[slot];
     row.tokens[slot] = token;
     row.lru.window[slot] = pack(token, slot);
-    s.cell_slot[s.find(token)] = slot;
+    s.cells[s.find(token)].slot = static_cast<int32_t>(slot);
     out.miss_tokens[slot] = static_cast<int32_t>(token);
     out.miss_slots[slot] = static_cast<int32_t>(slot);
   }
   row.max_resident() = count > 0 ? s.sorted_tokens[count - 1] : -1;
   for (int64_t k = 0; k < width; ++k) {
-    out.slots[k] = static_cast<int32_t>(cells[k] < 0 ? kEmpty : s.cell_slot[cells[k]]);
+    out.slots[k] = cells[k] < 0 ? static_cast<int32_t>(kEmpty) : s.cells[cells[k]].slot;
   }
   pad_miss_lists(width, count, out);
   s.clear_tokens();
@@ -327,7 +340,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
     return kCorruptOrder;
   }
   int64_t* __restrict window = lru.window;
-  int32_t* __restrict window_index = s.window_index.data();
+  uint16_t* __restrict window_index = s.window_index.data();
   uint8_t* __restrict window_hit = s.window_hit.data();
   int32_t* __restrict out_slots = out.slots;
   const uint64_t window_cell_mask = s.window_cell_mask;
@@ -343,7 +356,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
       bad_window |= (static_cast<uint64_t>(entry) >> 63) |
                     static_cast<uint64_t>(packed_slot(entry) >= capacity);
       window_index[window_cell(packed_token(entry), window_cell_mask)] =
-          static_cast<int32_t>(i);
+          static_cast<uint16_t>(i);
     }
     bad = bad_window;
   }
@@ -359,7 +372,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   // 3. The slow tokens, each once, into the scratch hash and its filter.
   int64_t* __restrict slow_cells = s.slow_cells.data();
   for (int64_t j = 0; j < num_slow; ++j) slow_cells[j] = s.add(topk[slow[j]]);
-  int64_t* __restrict cell_slot = s.cell_slot.data();
+  Cell* __restrict cells = s.cells.data();
 
   // 4. One pass over the window: entries step 2 hit are hits (counted); an entry it did not
   //    hit whose token may be slow (the filter says so) is a suspect. A suspect holding a
@@ -387,7 +400,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
     const int64_t i = suspects[j];
     const int64_t cell = s.find(packed_token(window[i]));
     if (cell >= 0) {
-      cell_slot[cell] = packed_slot(window[i]);
+      cells[cell].slot = static_cast<int32_t>(packed_slot(window[i]));
       window_hit[i] = 1;
       ++window_found;
     }
@@ -408,7 +421,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   const auto deep_hit = [&](int64_t position, int64_t entry) {
     const int64_t cell = s.find(packed_token(entry));
     if (cell < 0) return false;
-    cell_slot[cell] = packed_slot(entry);
+    cells[cell].slot = static_cast<int32_t>(packed_slot(entry));
     deep_hits[num_deep_hits++] = {position, entry};
     return true;
   };
@@ -457,7 +470,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   for (int64_t i = 0; i < s.num_distinct; ++i) {
     const int64_t cell = s.distinct_cells[i];
     miss_cells[misses] = cell;
-    misses += cell_slot[cell] < 0;
+    misses += cells[cell].slot < 0;
   }
   int64_t* __restrict victims = s.victims.data();
   const int64_t from_deep = std::min(misses, num_candidates);
@@ -494,11 +507,11 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
   }
   for (int64_t i = 0; i < misses; ++i) {
     const int64_t cell = miss_cells[i];
-    const int64_t token = s.keys[cell];
+    const int64_t token = s.token_of(cell);
     const int64_t slot = victims[i];
     row.tokens[slot] = token;
     largest = std::max(largest, token);
-    cell_slot[cell] = slot;
+    cells[cell].slot = static_cast<int32_t>(slot);
     out.miss_tokens[i] = static_cast<int32_t>(token);
     out.miss_slots[i] = static_cast<int32_t>(slot);
   }
@@ -553,7 +566,7 @@ inline RowStatus steady_row(Scratch& s, RowState& row, const Token* __restrict t
 
   // 9. Outputs: hits the window index found have their slot since step 2; the rest now.
   for (int64_t j = 0; j < num_slow; ++j) {
-    out_slots[slow[j]] = static_cast<int32_t>(cell_slot[slow_cells[j]]);
+    out_slots[slow[j]] = cells[slow_cells[j]].slot;
   }
   pad_miss_lists(width, misses, out);
   s.clear_tokens();

@@ -52,7 +52,7 @@ inline bool use_avx2() {
 // `slow` in this loop beats a second pass over per-position flags; marking through a
 // conditional address instead of the read-modify-write is slower.)
 struct WindowLookup {
-  const int32_t* window_index;
+  const uint16_t* window_index;
   uint64_t cell_mask;
   const int64_t* window;
   uint64_t window_mask;
@@ -70,7 +70,7 @@ inline int64_t look_up_window(const WindowLookup& w, const Token* __restrict top
   for (int64_t k = 0; k < width; ++k) {
     const int64_t token = topk[k];
     const uint64_t at =
-        static_cast<uint32_t>(w.window_index[window_cell(token, w.cell_mask)]) & w.window_mask;
+        static_cast<uint64_t>(w.window_index[window_cell(token, w.cell_mask)]) & w.window_mask;
     const int64_t entry = w.window[at];
     const uint64_t hit = static_cast<uint64_t>(static_cast<uint64_t>(token) < hit_limit) &
                          static_cast<uint64_t>(packed_token(entry) == token);
