@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,8 +40,42 @@ def find_master_binary() -> str:
     return found
 
 
+_handed_out: set[int] = set()
+_LOWEST_PICKED_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound as 0 (Linux; the usual default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out before.
+
+    Picked at random below the kernel's ephemeral range: a port taken from inside it (by
+    binding port 0) goes back to the pool the moment the probe closes, and any process that
+    binds port 0 meanwhile (vLLM's and Mooncake's internal listeners do, by the dozen) may get
+    it first (seen in CI: a decode's control socket found its port taken). Falls back to the
+    kernel's choice when no range below the ephemeral one exists.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    if low - _LOWEST_PICKED_PORT >= 1000:
+        for _ in range(200):
+            port = rng.randrange(_LOWEST_PICKED_PORT, low)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
