@@ -135,8 +135,7 @@ class OffloadManager:
             self._update_inputs = (torch.empty(max_rows, row_width, dtype=_I64),
                                    *(torch.empty(max_rows, dtype=_I64) for _ in range(3)))
             self._update_inputs_np = tuple(t.numpy() for t in self._update_inputs)
-            self._row_base = torch.arange(max_rows, dtype=_I64)[:, None] * capacity
-            self._row_base_np = self._row_base.numpy()
+            self._row_base = np.arange(max_rows, dtype=np.int64)[:, None] * capacity
             self._columns_np = np.arange(row_width, dtype=np.int64)
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
@@ -303,11 +302,7 @@ class OffloadManager:
         serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         result = self._update_residency(layer, topk, serials, seq_lens - 1, requests)
         misses = self._copy_misses(layer, result, blocks, requests)
-        slots = result.slots[:requests, :width].numpy()
-        # Padding entries read slot 0 of their row: ``gather``'s rows there may hold anything
-        # (main_kv's contract; attention masks them), so they are not zeroed.
-        rows = torch.from_numpy((np.maximum(slots, 0) + self._row_base_np[:requests]).ravel())
-        out = torch.index_select(self.hot[layer], 0, rows.to(self.device))
+        out = self._hot_rows(layer, result.slots[:requests, :width].numpy())
         valid = topk >= 0
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
@@ -317,7 +312,17 @@ class OffloadManager:
             selected=selected, hits=selected - misses, misses=misses,
             h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
             pool_rows_used=context, residency_seconds=residency_seconds))
-        return out.view(requests, width, -1), valid.to(self.device)
+        return out, valid.to(self.device)
+
+    def _hot_rows(self, layer: int, slots: np.ndarray) -> torch.Tensor:
+        """Hot-buffer rows ``[R, K, row_dim]`` of batch rows ``0..R-1`` at ``slots`` [R, K].
+
+        Padding entries (< 0) read slot 0 of their row: ``gather``'s rows there may hold
+        anything (main_kv's contract; attention masks them), so they are not zeroed."""
+        requests, width = slots.shape
+        rows = (np.maximum(slots, 0) + self._row_base[:requests]).ravel()
+        out = torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device))
+        return out.view(requests, width, -1)
 
     def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
                           stable: torch.Tensor, requests: int,
@@ -407,10 +412,7 @@ class OffloadManager:
         serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         plan = self.identity_rows[layer].plan_decode_step(serials, seq_lens, query_lens)
         filled = self._fill_identity_rows(layer, plan, blocks)
-        # Padding entries read slot 0 of their row (main_kv's contract: may hold anything).
-        picks = np.maximum(topk.numpy(), 0) + self._row_base_np[:requests]
-        out = torch.index_select(self.hot[layer], 0,
-                                 torch.from_numpy(picks.ravel()).to(self.device))
+        out = self._hot_rows(layer, topk.numpy())   # identity: position p is hot slot p
         valid = topk >= 0
         selected = int(valid.sum())
         context = int(seq_lens.sum())
@@ -420,7 +422,7 @@ class OffloadManager:
             full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
             residency_seconds=time.perf_counter() - started, identity_rows=requests,
             identity_fills=filled))
-        return out.view(requests, topk.shape[1], -1), valid.to(self.device)
+        return out, valid.to(self.device)
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
