@@ -226,3 +226,25 @@ def test_capacity_must_hold_the_query_rows_selection() -> None:
         _manager(capacity=10)
     with pytest.raises(ConfigError, match="max_rows must be an integer >= 1, got 0"):
         _manager(max_rows=0)
+
+
+def test_a_native_residency_that_cannot_build_falls_back_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default residency_backend "native" on a host where the op cannot load: kvo-core's
+    table, a warning naming why, and the miss copies stay with the dispatcher's choice (the
+    C++ host copy lives in the library that did not load)."""
+    from kvo_core.residency import ResidencyTable
+    from kvo_kernels import native_residency
+
+    class Unbuildable:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(native_residency, "NativeResidencyTable", Unbuildable)
+    with pytest.warns(UserWarning, match="no compiler here"):
+        manager = _manager(residency_backend="native")
+    try:
+        assert all(isinstance(table, ResidencyTable) for table in manager.tables)
+        assert manager.copy_implementation is None
+    finally:
+        manager.close()
