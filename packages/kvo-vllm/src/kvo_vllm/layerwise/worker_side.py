@@ -328,20 +328,27 @@ class LayerwiseWorker:
         last = min(position + self.prefetch_depth, len(self._order) - 1)
         for i in range(position, last + 1):
             name = self._order[i]
-            if name not in self._pending_loads and name not in self._ready:
-                self._pending_loads[name] = self._loader.submit(self._load_layer,
-                                                                self._buffers[name])
+            buffer = self._buffers[name]
+            # A layer with nothing to load only waits for its slot; _make_ready does that on
+            # the forward's thread (a cold prefill: no hand-off to the loader per layer).
+            if (self._loads[buffer.layer.shared] and name not in self._pending_loads
+                    and name not in self._ready):
+                self._pending_loads[name] = self._loader.submit(self._load_layer, buffer)
 
     def _make_ready(self, position: int) -> None:
         name = self._order[position]
-        future = self._pending_loads.pop(name)
+        future = self._pending_loads.pop(name, None)
         started = time.perf_counter()
-        try:
-            failed = future.result(timeout=2 * self.layer_deadline_s)
-        except TimeoutError as error:
-            raise PipelineError(
-                f"layer {name!r} was not ready within {2 * self.layer_deadline_s:g} s "
-                f"(slot release or store load hung)") from error
+        if future is None:  # nothing to load (see _prefetch_from)
+            self._wait_slot(self._buffers[name])
+            failed: list[int] = []
+        else:
+            try:
+                failed = future.result(timeout=2 * self.layer_deadline_s)
+            except TimeoutError as error:
+                raise PipelineError(
+                    f"layer {name!r} was not ready within {2 * self.layer_deadline_s:g} s "
+                    f"(slot release or store load hung)") from error
         waited = time.perf_counter() - started
         with self._stats_lock:
             self.stats.ready_wait_seconds += waited
