@@ -172,6 +172,31 @@ def test_a_shared_buffer_is_refilled_only_after_the_previous_save_finished(rig) 
         assert saved < loaded, f"layer {layer} overwrote layer {layer - 2} before its save"
 
 
+def test_a_cold_step_overwrites_a_shared_buffer_only_after_its_save(rig) -> None:
+    """Nothing to load (a cold prefill): the slot wait runs on the forward's own thread, and
+    still no layer writes a shared buffer before the previous occupant's save took it whole."""
+    worker, store, caches = rig
+    store.put_delay = 0.05
+    stored_before_write: dict[int, set[str]] = {}
+    worker.start_step(step_meta(save=[(1, "b1")]))
+    for name in NAMES:
+        layer = int(name.split(".")[2])
+        with store.lock:
+            stored_before_write[layer] = set(store.values)
+        caches[name][1].fill_(100.0 + layer)  # unified_kv_cache_update
+        worker.before_attention(name)
+        worker.after_attention(name)
+    worker.finish_step()
+    assert not worker._pending_loads and worker.stats.loaded_blocks == 0
+    for layer in range(3, 6):  # layer L reuses layer L-2's buffer
+        assert KEYS.key("b1", layer - 2) in stored_before_write[layer], layer
+    page = caches[NAMES[0]][1].numel()
+    for layer in range(6):
+        value = torch.frombuffer(bytearray(store.values[KEYS.key("b1", layer)]),
+                                 dtype=torch.float32)[:page]
+        assert torch.all(value == 100.0 + layer), f"layer {layer}'s save was torn"
+
+
 def test_a_missing_block_is_reported_as_a_load_error(rig) -> None:
     worker, _, caches = rig
     forward(worker, caches, step_meta(every=[(3, "never-saved")]), {})
