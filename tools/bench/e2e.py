@@ -10,7 +10,9 @@ prompts (the order rotates every round, so a busy machine slows all alike); each
 streams, so the time to the first token (TTFT) and the decode rate are measured at the client.
 Reported per length: TTFT medians, the median of each round's paired ratio (P/D TTFT over
 plain's in the same round, and kvo's over the peer's), decode tokens/s, and exactness (answers
-whose tokens and logprobs are bit-equal to plain's). Also: the prefill's device KV footprint
+whose tokens and logprobs are bit-equal to plain's answer for the same prompt on a warm prefix
+cache, which, like a P/D decode, computes only the prompt's last token; the cold answer differs
+from it in the last bits of its logprobs from ~1K tokens). Also: the prefill's device KV footprint
 with and without buffer reuse, bytes pulled per request and the per-layer pull time.
 
 ``--model dsa`` runs the same P/D deployment on a tiny DeepSeek-V3.2-architecture model (MLA +
@@ -36,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +96,13 @@ def _paired_ratio(answers: dict[str, list[Answer]], top: str, bottom: str) -> fl
                     if a.ttft_s and b.ttft_s])
 
 
+def _last_proxy_record(proxy_url: str) -> dict[str, Any]:
+    """The kvo proxy's record of the request it served last (its phase times)."""
+    with urllib.request.urlopen(proxy_url + "/kvo/v1/metadata", timeout=30) as reply:
+        records = json.loads(reply.read())["requests"]
+    return dict(records[-1]) if records else {}
+
+
 def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Rounds over ``urls`` ("plain" first, then the P/D contenders), order rotating per round."""
     rng = random.Random(0)
@@ -106,6 +116,8 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
         for url in urls.values():  # one untimed request per length and path
             complete(url, completion_body(fresh(length), 2, stream=True))
         answers: dict[str, list[Answer]] = {name: [] for name in names}
+        warm_answers: list[Answer] = []
+        phases: list[dict[str, Any]] = []
         for rep in range(args.reps):
             body = completion_body(fresh(length), args.max_tokens, stream=True)
             shift = rep % len(names)
@@ -115,11 +127,23 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
                     raise RuntimeError(f"{name} request of {length} tokens failed: "
                                        f"{answer.error}")
                 answers[name].append(answer)
-            plain = answers["plain"][-1]
+                if name == "pd":
+                    phases.append(_last_proxy_record(urls["pd"]))
+            # The reference for exactness: plain's answer with the prompt in its prefix cache.
+            # A P/D decode starts from the pulled prompt KV and computes only the prompt's last
+            # token, as plain does on a warm cache; plain's cold answer (timed above) computes
+            # the whole prompt in one prefill pass, whose attention sums in another order, so
+            # from ~1K tokens its logprobs differ in the last bits (its tokens stay equal).
+            warm = complete(urls["plain"], body)
+            if not warm.ok:
+                raise RuntimeError(f"plain warm request of {length} tokens failed: "
+                                   f"{warm.error}")
+            warm_answers.append(warm)
+            plain = warm
             print(f"  {length} tokens, round {rep + 1}/{args.reps}: TTFT "
                   + ", ".join(f"{n} {answers[n][-1].ttft_s or float('nan'):.3f} s"
                               for n in names)
-                  + "; bit-equal to plain: "
+                  + "; bit-equal to plain (warm): "
                   + ", ".join(f"{n} {answers[n][-1].same_output(plain)}" for n in names[1:]),
                   flush=True)
         row: dict[str, Any] = {"prompt_tokens": length, "new_tokens": args.max_tokens,
@@ -128,11 +152,21 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
             row[f"ttft_{name}_s"] = _median([a.ttft_s for a in got if a.ttft_s is not None])
             row[f"decode_tps_{name}"] = _median([t for a in got
                                                  if (t := a.decode_tokens_per_s) is not None])
+        cold = answers["plain"]
+        row["plain_cold_equals_warm"] = sum(c.same_output(w)
+                                            for c, w in zip(cold, warm_answers, strict=True))
         for name in names[1:]:
             row[f"ttft_ratio_{name}_to_plain"] = _paired_ratio(answers, name, "plain")
-            pairs = list(zip(answers[name], answers["plain"], strict=True))
-            row[f"exact_{name}"] = sum(a.same_output(p) for a, p in pairs)
-            row[f"same_tokens_{name}"] = sum(a.token_ids == p.token_ids for a, p in pairs)
+            got = answers[name]
+            row[f"exact_{name}"] = sum(a.same_output(w)
+                                       for a, w in zip(got, warm_answers, strict=True))
+            row[f"exact_cold_{name}"] = sum(a.same_output(c)
+                                            for a, c in zip(got, cold, strict=True))
+            row[f"same_tokens_{name}"] = sum(a.token_ids == c.token_ids
+                                             for a, c in zip(got, cold, strict=True))
+        # Where kvo's TTFT goes, as the proxy saw it (seconds from the request's arrival).
+        for key in ("ready_s", "prefill_s", "first_byte_s"):
+            row[f"pd_proxy_{key}"] = _median([p[key] for p in phases if p.get(key) is not None])
         if "peer" in answers:
             row["ttft_ratio_pd_to_peer"] = _paired_ratio(answers, "pd", "peer")
         row["same_tokens"] = all(p.token_ids == d.token_ids
@@ -251,14 +285,17 @@ def print_table(result: dict[str, Any]) -> None:
     label = {"plain": "plain", "pd": "kvo", "peer": "vLLM-MC"}
     print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
           + f" vs one plain vLLM (CPU, {model_name}, streamed; medians over rounds; "
-          "ratios: median of per-round pairs; exact: answers bit-equal to plain in tokens and "
-          "logprobs / in tokens / rounds)")
+          "ratios: median of per-round pairs; exact: answers bit-equal in tokens and logprobs "
+          "to plain's warm-cache answer (the same arithmetic: only the prompt's last token "
+          "computed) / to plain's cold answer / equal in tokens to the cold answer / rounds; "
+          "cold=warm: plain's cold answers bit-equal to its warm ones)")
     header = f"{'prompt':>7} " + " ".join(f"{'TTFT ' + label[n]:>13}" for n in names)
     header += " " + " ".join(f"{label[n] + '/plain':>13}" for n in names[1:])
     if peer:
         header += f" {'kvo/vLLM-MC':>12}"
     header += " " + " ".join(f"{'tok/s ' + label[n]:>13}" for n in names)
-    header += " " + " ".join(f"{'exact ' + label[n]:>13}" for n in names[1:])
+    header += " " + " ".join(f"{'exact ' + label[n]:>15}" for n in names[1:])
+    header += f" {'cold=warm':>10}"
     print(header)
     for row in rows:
         line = f"{row['prompt_tokens']:>7} "
@@ -269,9 +306,15 @@ def print_table(result: dict[str, Any]) -> None:
             line += f" {_fmt(row['ttft_ratio_pd_to_peer'], 1, 2):>11}x"
         line += " " + " ".join(f"{_fmt(row[f'decode_tps_{n}']):>13}" for n in names)
         line += " " + " ".join(
-            f"{row[f'exact_{n}']}/{row[f'same_tokens_{n}']}/{row['rounds']}".rjust(13)
-            for n in names[1:])
+            f"{row[f'exact_{n}']}/{row[f'exact_cold_{n}']}/{row[f'same_tokens_{n}']}/"
+            f"{row['rounds']}".rjust(15) for n in names[1:])
+        line += f" {row['plain_cold_equals_warm']}/{row['rounds']}".rjust(11)
         print(line)
+    for row in rows:
+        print(f"kvo at {row['prompt_tokens']} tokens, medians at the proxy from a request's "
+              f"arrival: decode ready {_fmt(row.get('pd_proxy_ready_s'), 1e3)} ms, prefill "
+              f"answered {_fmt(row.get('pd_proxy_prefill_s'), 1e3)} ms after that, first "
+              f"decode byte {_fmt(row.get('pd_proxy_first_byte_s'), 1e3)} ms")
     ratio = result["prefill_kv_footprint_ratio"]
     print(f"kvo: prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
           f"pulled {result['pulled_bytes'] / (1 << 20):.1f} MiB in "
