@@ -739,3 +739,23 @@ def test_joined_reads_from_many_threads_release_the_slot_exactly_when_all_are_in
             gates.mark_done(KEY, sub)
         assert gates.is_open(KEY), (round_, close_after, len(subs))
         assert gates.in_flight_sub_parts() == 0
+
+
+def test_tracker_wait_finished_wakes_when_a_request_ends() -> None:
+    """A consumer with nothing else to do sleeps until a request is terminal (done or
+    failed), instead of polling ``pop_finished``."""
+    tracker = RequestCompletionTracker()
+    tracker.expect("r1", {"a", "b"})
+    assert tracker.wait_finished(0.01) is False  # nothing finished: the wait times out
+    tracker.mark_done("r1", "a")
+    assert tracker.wait_finished(0.01) is False  # one part still pending
+    reporter = threading.Timer(0.05, tracker.mark_failed, ("r1", "b", "lost"))
+    reporter.start()
+    try:
+        assert tracker.wait_finished(30.0) is True
+    finally:
+        reporter.join()
+    assert tracker.pop_finished() == (set(), {"r1": "b: lost"})
+    assert tracker.wait_finished(0.0) is False  # popped: nothing left to report
+    tracker.expect("r2", ())
+    assert tracker.wait_finished(0.0) is True  # no parts: finished at once

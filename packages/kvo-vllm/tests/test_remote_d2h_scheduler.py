@@ -49,6 +49,13 @@ def test_decode_pulls_the_full_blocks_a_warm_cache_would_cover() -> None:
     assert _step(scheduler, {}).recvs == ()
 
 
+def test_a_step_that_schedules_no_tokens_is_marked_idle() -> None:
+    """The decode worker may sleep for a pull on such a step (decode_worker.IDLE_WAIT_S)."""
+    scheduler = _scheduler({"r": [1, 2]})
+    assert _step(scheduler, {}).idle is True
+    assert _step(scheduler, {"r": 3}).idle is False
+
+
 def test_decode_computes_prompts_without_a_full_block_itself() -> None:
     params = DecodePullParams(transfer_id="t2").to_params()
     scheduler = _scheduler({})

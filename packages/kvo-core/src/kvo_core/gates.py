@@ -442,7 +442,15 @@ class RequestCompletionTracker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)
         self._requests: dict[str, _Request] = {}
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until some request has finished (and is not popped yet);
+        whether one has. Lets a consumer with nothing else to do sleep instead of polling."""
+        with self._finished:
+            return self._finished.wait_for(
+                lambda: any(not r.pending for r in self._requests.values()), timeout_s)
 
     def expect(self, request_id: str, parts: Iterable[str]) -> None:
         """Start tracking ``request_id``; with no parts it is finished at once."""
@@ -472,6 +480,8 @@ class RequestCompletionTracker:
             request.pending.discard(part)
             if error is not None and request.error is None:
                 request.error = f"{part}: {error}"
+            if not request.pending:
+                self._finished.notify_all()
             return True
 
     def pending(self, request_id: str) -> frozenset[str]:

@@ -230,6 +230,11 @@ class DecodeReceiver:
         return self._requests.pop_finished(
             lambda invalid: self.destinations.settled(blocks(invalid.main, invalid.indexer)))
 
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a request reached a terminal state (not popped yet);
+        whether one did. For a caller with nothing to do but poll ``pop_finished``."""
+        return self._requests.wait_finished(timeout_s)
+
     def revoke(self, main: Iterable[int], indexer: Iterable[int] = ()) -> None:
         """No read may start into these destination blocks until ``restore``; never waits
         for a read in flight (ask ``settled`` before handing the blocks back)."""

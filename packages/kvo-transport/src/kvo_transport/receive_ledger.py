@@ -106,6 +106,10 @@ class ReceiveLedger:
                 self._forgotten.add(request_id)
         self.fail_pending(request_id, "forgotten by the decode")
 
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a request is terminal (done or failed)."""
+        return self._tracker.wait_finished(timeout_s)
+
     def pop_finished(self, settled: Callable[[InvalidBlocks], bool]
                      ) -> tuple[set[str], dict[str, str]]:
         """Requests terminal since the last call: (finished ids, failed id -> first reason);

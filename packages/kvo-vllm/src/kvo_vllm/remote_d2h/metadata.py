@@ -58,6 +58,9 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     preempted_sends: tuple[str, ...] = ()
     """Prefill: transfer ids whose request vLLM preempted (its blocks were freed without the
     connector): their epoch words advance before this step's forward may overwrite them."""
+    idle: bool = False
+    """The step schedules no tokens: a decode whose requests all wait for their pulls may
+    sleep briefly for one to finish instead of letting vLLM step again at once."""
 
     @property
     def has_sends(self) -> bool:

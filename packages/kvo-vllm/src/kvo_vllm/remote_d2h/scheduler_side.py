@@ -136,7 +136,8 @@ class RemoteD2HScheduler:
         metadata = RemoteD2HMetadata(
             sends=tuple(sends), abandoned_sends=tuple(self._abandoned),
             recvs=tuple(self._new_recvs), revoked_recvs=tuple(self._revoked),
-            preempted_sends=preempted)
+            preempted_sends=preempted,
+            idle=not scheduler_output.num_scheduled_tokens)
         self._abandoned, self._new_recvs, self._revoked = [], [], []
         return metadata
 
