@@ -1,0 +1,103 @@
+"""Test-only timeline of a decode's pulls, loaded through RemoteD2H's engine_wrapper.
+
+``tools/bench/pd_timeline.py`` starts a decode with::
+
+    "engine_wrapper": {"factory": "pd.timing_engine:wrap", "options": {"out_file": "/path"}}
+
+and this module appends one JSON line per event to ``out_file``, stamped with
+``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the host, so the proxy's
+and the client's stamps line up with these): ``register`` (the step that made a request's
+blocks the destination and sent DecodeReady), ``read`` (start and end of each engine read into
+the KV layers), ``reported`` (the step that told vLLM a request's pull is over). Production code
+never imports this module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvo_transport.engine import TransferEngine
+
+_LOCK = threading.Lock()
+_OUT: str | None = None
+
+
+def _emit(event: dict[str, Any]) -> None:
+    if _OUT is None:
+        return
+    with _LOCK, open(_OUT, "a") as out:
+        out.write(json.dumps(event) + "\n")
+
+
+class TimingEngine:
+    """Delegates to decode's engine and records when each read into the layers ran."""
+
+    def __init__(self, engine: TransferEngine, layers: Sequence[Any]) -> None:
+        self._engine = engine
+        self._spans = sorted((layer.base, layer.end, layer.index) for layer in layers)
+        self._starts = [start for start, _, _ in self._spans]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
+
+    @property
+    def protocol(self) -> str:
+        return self._engine.protocol
+
+    @property
+    def session_id(self) -> str:
+        return self._engine.session_id
+
+    def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        start = time.monotonic()
+        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+        layer = self._layer_of(local_addrs[0]) if local_addrs else None
+        _emit({"event": "read", "start": start, "end": time.monotonic(), "layer": layer,
+               "bytes": int(sum(lengths))})
+
+    def _layer_of(self, address: int) -> int | None:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0 or address >= self._spans[i][1]:
+            return None  # a fence word, not a layer
+        return int(self._spans[i][2])
+
+
+def _install_hooks() -> None:
+    from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+
+    if getattr(DecodePuller._register, "kvo_timing", False):
+        return
+    register, collect = DecodePuller._register, DecodePuller.collect
+
+    def _register(self: DecodePuller, target: Any) -> None:
+        _emit({"event": "register", "t": time.monotonic(), "request": target.request_id,
+               "transfer": target.transfer_id})
+        register(self, target)
+
+    def _collect(self: DecodePuller) -> tuple[set[str], set[int]]:
+        done, invalid = collect(self)
+        if done:
+            _emit({"event": "reported", "t": time.monotonic(), "requests": sorted(done)})
+        return done, invalid
+
+    _register.kvo_timing = True  # type: ignore[attr-defined]
+    DecodePuller._register = _register  # type: ignore[method-assign]
+    DecodePuller.collect = _collect  # type: ignore[method-assign]
+
+
+def wrap(engine: TransferEngine, layers: Sequence[Any], *, out_file: str) -> TimingEngine:
+    """The ``engine_wrapper`` factory (also hooks the puller's register and report)."""
+    global _OUT
+    _OUT = out_file
+    _install_hooks()
+    return TimingEngine(engine, layers)
