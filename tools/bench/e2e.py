@@ -11,9 +11,10 @@ streams, so the time to the first token (TTFT) and the decode rate are measured 
 Reported per length: TTFT medians, the median of each round's paired ratio (P/D TTFT over
 plain's in the same round, and kvo's over the peer's), decode tokens/s, and exactness (answers
 whose tokens and logprobs are bit-equal to plain's answer for the same prompt on a warm prefix
-cache, which, like a P/D decode, computes only the prompt's last token; the cold answer differs
-from it in the last bits of its logprobs from ~1K tokens). Also: the prefill's device KV footprint
-with and without buffer reuse, bytes pulled per request and the per-layer pull time.
+cache, which, like a P/D decode, computes only the prompt's tail; the cold answer differs from
+it in the last bits of its logprobs at 1024 and 4096 tokens, not at 128). Also: the prefill's
+device KV footprint with and without buffer reuse, bytes pulled per request and the per-layer
+pull time, and where kvo's TTFT goes as its proxy saw it.
 
 ``--model dsa`` runs the same P/D deployment on a tiny DeepSeek-V3.2-architecture model (MLA +
 lightning indexer + top-k sparse attention, kvo's sparse backend): the decode runs kvo's sparse
@@ -130,10 +131,10 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
                 if name == "pd":
                     phases.append(_last_proxy_record(urls["pd"]))
             # The reference for exactness: plain's answer with the prompt in its prefix cache.
-            # A P/D decode starts from the pulled prompt KV and computes only the prompt's last
-            # token, as plain does on a warm cache; plain's cold answer (timed above) computes
+            # A P/D decode starts from the pulled prompt KV and computes only the prompt's
+            # tail, as plain does on a warm cache; plain's cold answer (timed above) computes
             # the whole prompt in one prefill pass, whose attention sums in another order, so
-            # from ~1K tokens its logprobs differ in the last bits (its tokens stay equal).
+            # at 1024 and 4096 tokens its logprobs differ in the last bits (tokens stay equal).
             warm = complete(urls["plain"], body)
             if not warm.ok:
                 raise RuntimeError(f"plain warm request of {length} tokens failed: "
@@ -286,7 +287,7 @@ def print_table(result: dict[str, Any]) -> None:
     print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
           + f" vs one plain vLLM (CPU, {model_name}, streamed; medians over rounds; "
           "ratios: median of per-round pairs; exact: answers bit-equal in tokens and logprobs "
-          "to plain's warm-cache answer (the same arithmetic: only the prompt's last token "
+          "to plain's warm-cache answer (the same arithmetic: only the prompt's tail "
           "computed) / to plain's cold answer / equal in tokens to the cold answer / rounds; "
           "cold=warm: plain's cold answers bit-equal to its warm ones)")
     header = f"{'prompt':>7} " + " ".join(f"{'TTFT ' + label[n]:>13}" for n in names)
