@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -151,16 +152,36 @@ def _run_steps(manager: OffloadManager, steps: int, seed: int) -> int:
     return checked
 
 
+def _count_copy_gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the manager's calls of kvo::sparse_copy_gather (the one-pass decode step)."""
+    from kvo_kernels import ops
+
+    calls: list[int] = []
+    original = ops.sparse_copy_gather
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "sparse_copy_gather", counting)
+    return calls
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(backend: str) -> None:
+def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = _manager(residency_backend=backend, stats=OffloadStats(history_limit=10**6))
     if backend == "native" and type(manager.tables[0]).__name__ != "NativeResidencyTable":
         manager.close()
         pytest.skip("kvo-kernels' native residency op does not build here")
+    one_pass = _count_copy_gathers(monkeypatch)
     try:
         checked = _run_steps(manager, steps=160, seed=7)
         totals = manager.stats.totals
         assert checked > 2000
+        # native: the C++ host ops are loaded, so one-token decode steps copy and gather in
+        # one pass; torch: copy, then gather, as everywhere else.
+        assert (len(one_pass) >= 5) if backend == "native" else not one_pass
         assert totals.hits > 0 and totals.misses > 0   # both paths really exercised
         assert totals.h2d_bytes == totals.misses * manager.row_bytes
         assert totals.h2d_bytes < totals.full_reload_bytes
@@ -172,11 +193,16 @@ def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(backend:
         manager.close()
 
 
-def test_pool_really_read_and_misses_copied_once() -> None:
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_pool_really_read_and_misses_copied_once(backend: str) -> None:
     """A decode row: first call copies its selection, the same selection again copies nothing;
     a pool row changed behind the manager's back shows only once it is a miss again. (The hot
-    row holds K rows, so the 9-token request is offloaded from its first decode step.)"""
-    manager = _manager(decode_query_rows=1, capacity=K)
+    row holds K rows, so the 9-token request is offloaded from its first decode step.) With
+    the native backend the decode steps take the one-pass copy + gather."""
+    manager = _manager(decode_query_rows=1, capacity=K, residency_backend=backend)
+    if backend == "native" and manager.copy_implementation != "native":
+        manager.close()
+        pytest.skip("kvo-kernels' native ops do not build here")
     try:
         table = torch.tensor([[1, 2, 3, 0]], dtype=torch.int32)
         qsl = torch.tensor([0, 1])

@@ -5,9 +5,9 @@ Automatic choice:
   (``torch.ops._C_ascend.npu_fused_*``), else Triton (triton-ascend) when importable, else the
   reference;
 - CUDA tensors: Triton when importable, else the reference;
-- anything else (CPU): the reference. kvo's own C++ host op of ``sparse_copy``
-  (``kvo_kernels.host_copy``) runs CPU tensors when ``native`` is forced; it is not chosen
-  automatically, since its first use may compile kvo's native ops.
+- anything else (CPU): the reference. kvo's own C++ host ops of ``sparse_copy`` and
+  ``sparse_copy_gather`` (``kvo_kernels.host_copy``) run CPU tensors when ``native`` is forced;
+  they are not chosen automatically, since their first use may compile kvo's native ops.
 
 Forcing, strongest first: the ``implementation=`` argument of a wrapper (or the
 ``use_implementation`` context), then the ``KVO_KERNELS_IMPL`` environment variable; values
@@ -40,9 +40,9 @@ NATIVE_OPS = {
 }
 TRITON_OPS = frozenset({"lightning_indexer_manage", "quant_lightning_indexer_manage",
                         "scatter_copy_sparse_flash_attention", "sparse_copy"})
-HOST_NATIVE_OPS = frozenset({"sparse_copy"})
+HOST_NATIVE_OPS = frozenset({"sparse_copy", "sparse_copy_gather"})
 """Ops with a C++ implementation of kvo's own for CPU tensors (``native`` forced)."""
-OPS = frozenset({*NATIVE_OPS, *TRITON_OPS, "hadamard_quant_int8"})
+OPS = frozenset({*NATIVE_OPS, *TRITON_OPS, *HOST_NATIVE_OPS, "hadamard_quant_int8"})
 NPU_DEVICE_TYPES = frozenset({"npu", "privateuseone"})
 
 NativeLookup = Callable[[str], Callable[..., object] | None]
@@ -124,8 +124,10 @@ def select(op: str, device_type: str, *, choice: str | None = None,
         return Selection("reference", "forced")
     if choice == "native":
         if device_type == "cpu" and op in HOST_NATIVE_OPS:
-            from kvo_kernels.host_copy import sparse_copy_host
-            return Selection("native", "forced, kvo's C++ host op", sparse_copy_host)
+            from kvo_kernels import host_copy
+            host_op = (host_copy.sparse_copy_host if op == "sparse_copy"
+                       else host_copy.sparse_copy_gather_host)
+            return Selection("native", "forced, kvo's C++ host op", host_op)
         if native is None:
             raise KernelUnsupportedError(
                 f"native implementation of {op} forced, but "

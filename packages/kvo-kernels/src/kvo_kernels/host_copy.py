@@ -1,4 +1,5 @@
-"""``kvo::sparse_copy`` on the host through kvo's C++ op (``csrc/sparse_copy.cpp``).
+"""``kvo::sparse_copy`` and ``kvo::sparse_copy_gather`` on the host through kvo's C++ ops
+(``csrc/sparse_copy.cpp``).
 
 The offload path copies a few hundred rows per layer and step; the reference spends more on
 its index checks (bounds, a ``torch.unique`` of the destinations) and advanced indexing than on
@@ -13,7 +14,8 @@ import torch
 
 from kvo_kernels.errors import KernelArgumentError
 from kvo_kernels.native_build import load_native_ops
-from kvo_kernels.reference.primitives import check_sparse_copy_args
+from kvo_kernels.reference.primitives import (check_sparse_copy_args,
+                                               check_sparse_copy_gather_args)
 
 
 def sparse_copy_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
@@ -29,3 +31,20 @@ def sparse_copy_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tenso
     except (ValueError, IndexError, RuntimeError) as error:
         check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=True)
         raise KernelArgumentError(f"sparse_copy (host op): {error}") from None
+
+
+def sparse_copy_gather_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                            dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                            out: torch.Tensor) -> None:
+    """The copies of :func:`sparse_copy_host`, then ``out[k] = dst[gather_rows[k]]``, in one
+    pass (the reference's contract: ``reference.primitives.sparse_copy_gather``).
+
+    A decode step's copied rows are all gathered too; the op reads each from ``src`` once
+    and hands it to ``out`` while it is in cache, where copy-then-gather reads it again from
+    ``dst``. Refusals as for :func:`sparse_copy_host` (nothing written)."""
+    module = load_native_ops()
+    try:
+        module.sparse_copy_gather(src, dst, src_rows, dst_rows, gather_rows, out)
+    except (ValueError, IndexError, RuntimeError) as error:
+        check_sparse_copy_gather_args(src, dst, src_rows, dst_rows, gather_rows, out)
+        raise KernelArgumentError(f"sparse_copy_gather (host op): {error}") from None

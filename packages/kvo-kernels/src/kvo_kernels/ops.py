@@ -78,6 +78,16 @@ def _sparse_copy_impl(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tens
     _primitives(selection.implementation).sparse_copy(src, dst, src_rows, dst_rows)
 
 
+def _sparse_copy_gather_impl(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                             dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                             out: torch.Tensor) -> None:
+    selection = dispatch.select("sparse_copy_gather", dst.device.type)
+    if selection.native_op is not None:  # kvo's host op: checks its own arguments
+        selection.native_op(src, dst, src_rows, dst_rows, gather_rows, out)
+        return
+    reference_primitives.sparse_copy_gather(src, dst, src_rows, dst_rows, gather_rows, out)
+
+
 def _hadamard_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference_primitives.hadamard_quant_int8(x)
 
@@ -95,6 +105,12 @@ def _copy_sfa_fake(*values: object) -> None:
 
 def _sparse_copy_fake(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                       dst_rows: torch.Tensor) -> None:
+    return None
+
+
+def _sparse_copy_gather_fake(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                             dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                             out: torch.Tensor) -> None:
     return None
 
 
@@ -120,6 +136,11 @@ def _register() -> None:
         "sparse_copy(Tensor src, Tensor(a!) dst, Tensor src_rows, Tensor dst_rows) -> ()")
     _library.impl("sparse_copy", _sparse_copy_impl, "CompositeExplicitAutograd")
     torch.library.register_fake("kvo::sparse_copy", _sparse_copy_fake, lib=_library)
+    _library.define("sparse_copy_gather(Tensor src, Tensor(a!) dst, Tensor src_rows, "
+                    "Tensor dst_rows, Tensor gather_rows, Tensor(b!) out) -> ()")
+    _library.impl("sparse_copy_gather", _sparse_copy_gather_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("kvo::sparse_copy_gather", _sparse_copy_gather_fake,
+                                lib=_library)
     _library.define("hadamard_quant_int8(Tensor x) -> (Tensor, Tensor)")
     _library.impl("hadamard_quant_int8", _hadamard_impl, "CompositeExplicitAutograd")
     torch.library.register_fake("kvo::hadamard_quant_int8", _hadamard_fake, lib=_library)
@@ -201,6 +222,15 @@ def sparse_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
     """``dst[dst_rows] = src[src_rows]`` (rows of any dtype, host <-> device), bounds-checked."""
     with dispatch.use_implementation(implementation):
         torch.ops.kvo.sparse_copy(src, dst, src_rows, dst_rows)
+
+
+def sparse_copy_gather(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                       dst_rows: torch.Tensor, gather_rows: torch.Tensor, out: torch.Tensor, *,
+                       implementation: str | None = None) -> None:
+    """``sparse_copy(src, dst, src_rows, dst_rows)``, then ``out[k] = dst[gather_rows[k]]``
+    (one device; semantics: ``kvo_kernels.reference.primitives.sparse_copy_gather``)."""
+    with dispatch.use_implementation(implementation):
+        torch.ops.kvo.sparse_copy_gather(src, dst, src_rows, dst_rows, gather_rows, out)
 
 
 def hadamard_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

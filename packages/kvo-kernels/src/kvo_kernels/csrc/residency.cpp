@@ -499,4 +499,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_copy", &kvo_copy::sparse_copy_cpu,
         "kvo::sparse_copy's host implementation (csrc/sparse_copy.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sparse_copy_gather", &kvo_copy::sparse_copy_gather_cpu,
+        "kvo::sparse_copy_gather's host implementation (csrc/sparse_copy.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -10,4 +10,11 @@ namespace kvo_copy {
 void sparse_copy_cpu(const at::Tensor& src, at::Tensor dst, const at::Tensor& src_rows,
                      const at::Tensor& dst_rows);
 
+// kvo::sparse_copy_gather: the copies of sparse_copy_cpu, then out[k] = dst[gather_rows[k]],
+// in one pass over the rows (a copied row the gather needs is read from the source once).
+// Checks every argument and index first; a refused call writes neither dst nor out.
+void sparse_copy_gather_cpu(const at::Tensor& src, at::Tensor dst, const at::Tensor& src_rows,
+                            const at::Tensor& dst_rows, const at::Tensor& gather_rows,
+                            at::Tensor out);
+
 }  // namespace kvo_copy

@@ -101,6 +101,20 @@ def sparse_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
     dst.index_copy_(0, dst_rows.to(torch.int64), rows)
 
 
+def sparse_copy_gather(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                       dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                       out: torch.Tensor) -> None:
+    """``sparse_copy(src, dst, src_rows, dst_rows)``, then ``out[k] = dst[gather_rows[k]]``.
+
+    The offload decode step: copy the misses into the hot buffer, then read every selected
+    row for attention (misses and hits alike) from it. ``out`` [N, *row] must not share
+    memory with ``src`` or ``dst``; a refused call writes neither ``dst`` nor ``out``.
+    """
+    check_sparse_copy_gather_args(src, dst, src_rows, dst_rows, gather_rows, out)
+    sparse_copy(src, dst, src_rows, dst_rows)
+    out.copy_(dst[gather_rows.to(torch.int64)])
+
+
 def hadamard_matrix(size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The normalised Sylvester Hadamard matrix [size, size] float32 (orthogonal: H @ H.T = I)."""
     check.positive("size", size)
@@ -198,3 +212,39 @@ def check_sparse_copy_args(src: torch.Tensor, dst: torch.Tensor, src_rows: torch
     check.index_range("dst_rows", dst_rows, 0, dst.shape[0])
     if torch.unique(dst_rows).numel() != dst_rows.numel():
         raise KernelArgumentError("dst_rows repeats a destination row; each must appear once")
+
+
+def check_sparse_copy_gather_args(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                                  dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                                  out: torch.Tensor) -> None:
+    """The argument checks of ``sparse_copy_gather`` (all six tensors on one device)."""
+    check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=True)
+    check.tensor("out", out)
+    check.ndim("gather_rows", gather_rows, 1, "[N]")
+    check.dtype("gather_rows", gather_rows, check.INDEX_DTYPES)
+    if out.dim() < 1 or out.shape[1:] != dst.shape[1:]:
+        raise KernelArgumentError(
+            f"out row shape {tuple(out.shape[1:])} differs from dst row shape "
+            f"{tuple(dst.shape[1:])}")
+    if out.dtype != dst.dtype:
+        raise KernelArgumentError(f"out dtype {out.dtype} differs from dst dtype {dst.dtype}")
+    check.dim_size("out", out, 0, gather_rows.shape[0], "gather_rows.shape[0] (N)")
+    check.same_device("dst", dst, gather_rows=gather_rows, out=out)
+    check.index_range("gather_rows", gather_rows, 0, dst.shape[0])
+    for name, other in (("src", src), ("dst", dst)):
+        if _shares_memory(out, other):
+            raise KernelArgumentError(
+                f"out overlaps {name} in memory; it must be a separate tensor")
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges ``a`` and ``b`` may touch intersect (same device)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

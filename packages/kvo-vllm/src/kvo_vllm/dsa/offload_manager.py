@@ -18,7 +18,9 @@ Per layer call:
    drafts) go through residency: their query rows' top-k lists are concatenated into the
    request's residency row (shared by its query rows), the table returns hits/misses/slots,
    only the misses are copied pool -> hot buffer (``kvo::sparse_copy``), and each query row's
-   rows come from the hot buffer through its remapped slots. Longer queries (prefill chunks)
+   rows come from the hot buffer through its remapped slots. With kvo's C++ host ops loaded
+   (CPU, native residency) a step whose rows all decode one token does the copies and that
+   gather in one pass (``kvo::sparse_copy_gather``: each miss read from the pool once). Longer queries (prefill chunks)
    read their rows straight from the pool: their top-k union would not fit a hot row, and
    they write most of what they read in the same call.
 
@@ -301,8 +303,12 @@ class OffloadManager:
         started = time.perf_counter()
         serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         result = self._update_residency(layer, topk, serials, seq_lens - 1, requests)
-        misses = self._copy_misses(layer, result, blocks, requests)
-        out = self._hot_rows(layer, result.slots[:requests, :width].numpy())
+        slots = result.slots[:requests, :width].numpy()
+        if self.copy_implementation == "native":
+            misses, out = self._copy_and_gather(layer, result, blocks, slots)
+        else:
+            misses = self._copy_misses(layer, result, blocks, requests)
+            out = self._hot_rows(layer, slots)
         valid = topk >= 0
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
@@ -320,9 +326,13 @@ class OffloadManager:
         Padding entries (< 0) read slot 0 of their row: ``gather``'s rows there may hold
         anything (main_kv's contract; attention masks them), so they are not zeroed."""
         requests, width = slots.shape
-        rows = (np.maximum(slots, 0) + self._row_base[:requests]).ravel()
+        rows = self._hot_row_ids(slots)
         out = torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device))
         return out.view(requests, width, -1)
+
+    def _hot_row_ids(self, slots: np.ndarray) -> np.ndarray:
+        """Flat hot-buffer row ids ``[R * K]`` of ``slots`` [R, K] (padding: the row's slot 0)."""
+        return (np.maximum(slots, 0) + self._row_base[:slots.shape[0]]).ravel()
 
     def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
                           stable: torch.Tensor, requests: int,
@@ -347,9 +357,9 @@ class OffloadManager:
             states[:requests][first.numpy()] = int(RequestState.FIRST_OFFLOAD)
         return self.tables[layer].update(*self._update_inputs, out=self.results[layer])
 
-    def _copy_misses(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
-                     requests: int) -> int:
-        """Copy the misses the update listed (pool -> hot buffer); returns how many."""
+    def _miss_rows(self, result: ResidencyResult, blocks: torch.Tensor, requests: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """(pool rows, hot-buffer rows) of the misses the update listed, in its order."""
         bs = self.block_size
         counts = result.miss_counts[:requests].numpy()
         listed = self._columns_np[None, :] < counts[:, None]
@@ -357,10 +367,31 @@ class OffloadManager:
         miss_pos = result.miss_tokens[:requests].numpy()[listed].astype(np.int64)
         src = blocks.numpy()[row_of, miss_pos // bs] * bs + miss_pos % bs
         dst = result.miss_slots[:requests].numpy()[listed] + row_of * self.capacity
+        return src, dst
+
+    def _copy_misses(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
+                     requests: int) -> int:
+        """Copy the misses the update listed (pool -> hot buffer); returns how many."""
+        src, dst = self._miss_rows(result, blocks, requests)
         ops.sparse_copy(self.pool_layer(layer), self.hot[layer], torch.from_numpy(src),
                         torch.from_numpy(dst).to(self.device),
                         implementation=self.copy_implementation)
         return int(src.size)
+
+    def _copy_and_gather(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
+                         slots: np.ndarray) -> tuple[int, torch.Tensor]:
+        """The misses' copies and the hot rows at ``slots`` [R, K] (as :meth:`_copy_misses`
+        then :meth:`_hot_rows`) in one pass of kvo's C++ host op ``sparse_copy_gather``:
+        nearly every selected row of a step with a low hit rate is a miss, and copy-then-
+        gather read each of them twice (pool -> hot, hot -> out). Returns (misses, rows)."""
+        requests, width = slots.shape
+        src, dst = self._miss_rows(result, blocks, requests)
+        hot = self.hot[layer]
+        out = torch.empty(requests * width, hot.shape[1], dtype=hot.dtype, device=self.device)
+        ops.sparse_copy_gather(self.pool_layer(layer), hot, torch.from_numpy(src),
+                               torch.from_numpy(dst), torch.from_numpy(self._hot_row_ids(slots)),
+                               out, implementation="native")
+        return int(src.size), out.view(requests, width, -1)
 
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
                    decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,
