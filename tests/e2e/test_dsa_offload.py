@@ -143,7 +143,8 @@ class Runs:
     miss_probe: tuple[list[int], list[float]]
     hit_probe: tuple[list[int], list[float]]
     probe_misses: list[int]            # layer-0 misses of the probe steps: (miss, hit) probe
-    copied_bytes: int                  # measured at kvo::sparse_copy (main run)
+    copied_bytes: int                  # measured at kvo::sparse_copy(_gather) (main run)
+    one_pass_calls: int                # calls of kvo::sparse_copy_gather (main run)
     misses: int                        # the main run's misses
     stats: Any                         # the offload worker's OffloadStats
     row_bytes: int
@@ -215,7 +216,18 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
             copy(src, dst, src_rows, dst_rows, **kwargs)
 
+        copy_gather = offload_manager.ops.sparse_copy_gather
+        one_pass = [0]
+
+        def measured_one_pass(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                              dst_rows: torch.Tensor, gather_rows: torch.Tensor,
+                              out: torch.Tensor, **kwargs: Any) -> None:
+            copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
+            one_pass[0] += 1
+            copy_gather(src, dst, src_rows, dst_rows, gather_rows, out, **kwargs)
+
         mp.setattr(offload_manager.ops, "sparse_copy", measured)
+        mp.setattr(offload_manager.ops, "sparse_copy_gather", measured_one_pass)
         llm = _engine(dsv32_model, "offload")
         preempted = _count_preemptions(llm, mp)
         offload = _generate(llm, PROMPTS, MAX_TOKENS)
@@ -224,6 +236,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
                       and w.stats.totals.calls > 0)
         manager = worker.manager
         copied_main = copied[0]
+        one_pass_calls = one_pass[0]
         misses_main = worker.stats.totals.misses
         probe_misses: list[int] = []
         restore = _overwrite_before_step(mp, resident=False, misses=probe_misses)
@@ -239,7 +252,8 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             resident=resident, offload=offload, resident_preemptions=resident_preemptions,
             offload_preemptions=offload_preemptions, resident_probes=probes,
             miss_probe=miss_probe, hit_probe=hit_probe, probe_misses=probe_misses,
-            copied_bytes=copied_main, misses=misses_main, stats=worker.stats,
+            copied_bytes=copied_main, one_pass_calls=one_pass_calls, misses=misses_main,
+            stats=worker.stats,
             row_bytes=manager.row_bytes,
             hot_bytes=manager.hot_buffer_bytes, num_blocks=manager.num_blocks,
             block_size=manager.block_size, resident_main_kv_bytes=resident_main,
@@ -261,8 +275,10 @@ def test_offload_really_offloads(runs: Runs) -> None:
     decode_calls = [s for s in runs.stats.history if s.decode_rows]
     assert decode_calls and totals.misses > 0 and totals.hits > 0
     assert any(s.pool_rows for s in runs.stats.history)   # prefill chunks read the pool
-    # Every byte moved host -> device went through kvo::sparse_copy, one row per miss.
+    # Every byte moved host -> device went through kvo::sparse_copy or (the one-token decode
+    # steps, native residency by default) kvo::sparse_copy_gather, one row per miss.
     assert runs.copied_bytes == runs.misses * runs.row_bytes
+    assert runs.one_pass_calls > 0
     assert all(s.h2d_bytes == s.misses * runs.row_bytes for s in runs.stats.history)
     assert totals.h2d_bytes < totals.full_reload_bytes
 

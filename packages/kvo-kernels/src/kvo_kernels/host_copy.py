@@ -14,8 +14,7 @@ import torch
 
 from kvo_kernels.errors import KernelArgumentError
 from kvo_kernels.native_build import load_native_ops
-from kvo_kernels.reference.primitives import (check_sparse_copy_args,
-                                               check_sparse_copy_gather_args)
+from kvo_kernels.reference import primitives as reference
 
 
 def sparse_copy_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
@@ -29,7 +28,7 @@ def sparse_copy_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tenso
     try:
         module.sparse_copy(src, dst, src_rows, dst_rows)
     except (ValueError, IndexError, RuntimeError) as error:
-        check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=True)
+        reference.check_sparse_copy_args(src, dst, src_rows, dst_rows, one_device=True)
         raise KernelArgumentError(f"sparse_copy (host op): {error}") from None
 
 
@@ -46,5 +45,6 @@ def sparse_copy_gather_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torc
     try:
         module.sparse_copy_gather(src, dst, src_rows, dst_rows, gather_rows, out)
     except (ValueError, IndexError, RuntimeError) as error:
-        check_sparse_copy_gather_args(src, dst, src_rows, dst_rows, gather_rows, out)
+        reference.check_sparse_copy_gather_args(src, dst, src_rows, dst_rows, gather_rows,
+                                                out)
         raise KernelArgumentError(f"sparse_copy_gather (host op): {error}") from None

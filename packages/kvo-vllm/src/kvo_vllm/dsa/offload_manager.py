@@ -20,9 +20,9 @@ Per layer call:
    only the misses are copied pool -> hot buffer (``kvo::sparse_copy``), and each query row's
    rows come from the hot buffer through its remapped slots. With kvo's C++ host ops loaded
    (CPU, native residency) a step whose rows all decode one token does the copies and that
-   gather in one pass (``kvo::sparse_copy_gather``: each miss read from the pool once). Longer queries (prefill chunks)
-   read their rows straight from the pool: their top-k union would not fit a hot row, and
-   they write most of what they read in the same call.
+   gather in one pass (``kvo::sparse_copy_gather``: each miss read from the pool once).
+   Longer queries (prefill chunks) read their rows straight from the pool: their top-k union
+   would not fit a hot row, and they write most of what they read in the same call.
 
    A decode row whose request's sequence, this call's tokens included, fits its hot row
    (``seq_len <= capacity``) is NOT_OFFLOADED instead: its hot row holds position ``p`` at
