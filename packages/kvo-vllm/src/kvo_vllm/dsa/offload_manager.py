@@ -332,7 +332,8 @@ class OffloadManager:
 
     def _hot_row_ids(self, slots: np.ndarray) -> np.ndarray:
         """Flat hot-buffer row ids ``[R * K]`` of ``slots`` [R, K] (padding: the row's slot 0)."""
-        return (np.maximum(slots, 0) + self._row_base[:slots.shape[0]]).ravel()
+        rows: np.ndarray = (np.maximum(slots, 0) + self._row_base[:slots.shape[0]]).ravel()
+        return rows
 
     def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
                           stable: torch.Tensor, requests: int,
