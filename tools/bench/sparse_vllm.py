@@ -127,12 +127,14 @@ def _device_bytes_per_token(llm: Any) -> dict[str, float]:
 
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     main = index = 0.0
+    seen: set[int] = set()   # vLLM's Indexer and its SparseAttnIndexer share one k_cache
     for module in model.modules():
         if isinstance(module, MLAAttention):
             cache = module.kv_cache
             main += cache.numel() * cache.element_size() / (cache.shape[0] * cache.shape[-2])
         cache = getattr(getattr(module, "k_cache", None), "kv_cache", None)
-        if isinstance(cache, torch.Tensor) and cache.numel():
+        if isinstance(cache, torch.Tensor) and cache.numel() and cache.data_ptr() not in seen:
+            seen.add(cache.data_ptr())
             flat = cache.reshape(cache.shape[0], -1, cache.shape[-1])
             index += cache.numel() * cache.element_size() / (flat.shape[0] * flat.shape[1])
     return {"main": main, "indexer": index}
