@@ -11,8 +11,9 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 and decode TP 1 and without
-speculative decoding (anything else is refused at start-up until shown to work).
+(``pool_destination``). DSA layouts run with prefill TP 1 or 2 and decode TP 1 and without
+speculative decoding (decode TP > 1 and speculative decoding are refused at start-up until
+shown to work).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -90,11 +91,11 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
     return int(groups[0].kv_cache_spec.block_size)
 
 
-def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None, *,
-                        prefill_tp: int | None) -> None:
+def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None
+                        ) -> None:
     """ConfigError for a DSA set-up (main KV + indexer caches) whose hand-off is not shown to
-    work here: speculative decoding (MTP layers), a prefill with TP > 1 (``prefill_tp``; None
-    on a decode). Dense layouts pass."""
+    work here: speculative decoding (MTP layers). Dense layouts pass; a prefill with TP > 1
+    passes (``tests/e2e/test_pd_dsa_tp2.py``)."""
     if not any(cache_part(name) == INDEXER_PART for name in kv_caches):
         return
     if speculative is not None:
@@ -102,12 +103,6 @@ def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: obje
             f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
             f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
             f"hand-off is not tested; run P/D without speculative_config")
-    if prefill_tp is not None and prefill_tp > 1:
-        raise ConfigError(
-            f"RemoteD2HConnector hands DSA layouts (main KV + indexer caches) over from "
-            f"prefill TP 1 only so far; this prefill runs TP {prefill_tp} (a TP 2 prefill's "
-            f"decode reads stalled for the whole layer deadline in tests: not yet shown to "
-            f"work); run the prefill with --tensor-parallel-size 1")
 
 
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
@@ -159,8 +154,7 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
     # ==== worker side ====================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        refuse_untested_dsa(kv_caches, getattr(self._vllm_config, "speculative_config", None),
-                            prefill_tp=None if self.sender is None else self.sender.tp_size)
+        refuse_untested_dsa(kv_caches, getattr(self._vllm_config, "speculative_config", None))
         if self.sender is not None:
             self.sender.register_kv_caches(kv_caches, self._slot_key_of)
         if self.puller is not None:
