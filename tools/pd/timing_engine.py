@@ -1,6 +1,6 @@
 """Test-only timeline of a decode's pulls, loaded through RemoteD2H's engine_wrapper.
 
-``tools/bench/pd_timeline.py`` starts a decode with::
+``tools/bench/_pd_timeline.py`` starts a decode with::
 
     "engine_wrapper": {"factory": "pd.timing_engine:wrap", "options": {"out_file": "/path"}}
 
