@@ -20,7 +20,6 @@ The dropped answers are the one fault outside the engine: ``wrap`` wraps the dec
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import json
 import logging
@@ -32,7 +31,8 @@ from typing import Any
 
 import attrs
 
-from kvo_transport.engine import TransferEngine
+from kvo_transport.address_spans import AddressSpans
+from kvo_transport.engine import DelegatingEngine, TransferEngine
 from kvo_transport.errors import TransferError
 
 logger = logging.getLogger(__name__)
@@ -75,14 +75,13 @@ class Faults:
                    stall_reads_s=float(stall), drop_acks=drop)
 
 
-class FaultyEngine:
+class FaultyEngine(DelegatingEngine):
     """Delegates to decode's engine, applying the control file's faults to layer reads."""
 
     def __init__(self, engine: TransferEngine, layers: Sequence[Any], control_file: str) -> None:
-        self._engine = engine
-        self._spans = sorted((layer.base, layer.end, getattr(layer, "part", "kv"))
-                             for layer in layers)
-        self._starts = [start for start, _, _ in self._spans]
+        super().__init__(engine)
+        self._parts: AddressSpans[str] = AddressSpans(
+            (layer.base, layer.end, str(getattr(layer, "part", "kv"))) for layer in layers)
         self._control_file = control_file
         self._stamp: tuple[int, int] | None = None
         self._faults = Faults()
@@ -92,21 +91,6 @@ class FaultyEngine:
         self._lock = threading.Lock()
         self.injected_failures = 0
         self.corrupted_bytes = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def backend(self) -> str:
-        return self._engine.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._engine.protocol
-
-    @property
-    def session_id(self) -> str:
-        return self._engine.session_id
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -151,10 +135,7 @@ class FaultyEngine:
         return self._part_of(address) is not None
 
     def _part_of(self, address: int) -> str | None:
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i < 0 or address >= self._spans[i][1]:
-            return None
-        return self._spans[i][2]
+        return self._parts.find(address)
 
     def _reload(self) -> None:
         """Apply the control file when it changed (lock held)."""

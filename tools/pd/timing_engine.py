@@ -14,14 +14,14 @@ never imports this module.
 
 from __future__ import annotations
 
-import bisect
 import json
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvo_transport.engine import TransferEngine
+from kvo_transport.address_spans import AddressSpans
+from kvo_transport.engine import DelegatingEngine, TransferEngine
 
 _LOCK = threading.Lock()
 _OUT: str | None = None
@@ -34,42 +34,20 @@ def _emit(event: dict[str, Any]) -> None:
         out.write(json.dumps(event) + "\n")
 
 
-class TimingEngine:
+class TimingEngine(DelegatingEngine):
     """Delegates to decode's engine and records when each read into the layers ran."""
 
     def __init__(self, engine: TransferEngine, layers: Sequence[Any]) -> None:
-        self._engine = engine
-        self._spans = sorted((layer.base, layer.end, layer.index) for layer in layers)
-        self._starts = [start for start, _, _ in self._spans]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def backend(self) -> str:
-        return self._engine.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._engine.protocol
-
-    @property
-    def session_id(self) -> str:
-        return self._engine.session_id
+        super().__init__(engine)
+        self._layers = AddressSpans((layer.base, layer.end, int(layer.index)) for layer in layers)
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
         start = time.monotonic()
         self._engine.read(peer, local_addrs, remote_addrs, lengths)
-        layer = self._layer_of(local_addrs[0]) if local_addrs else None
+        layer = self._layers.find(local_addrs[0]) if local_addrs else None  # None: a fence word
         _emit({"event": "read", "start": start, "end": time.monotonic(), "layer": layer,
                "bytes": int(sum(lengths))})
-
-    def _layer_of(self, address: int) -> int | None:
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i < 0 or address >= self._spans[i][1]:
-            return None  # a fence word, not a layer
-        return int(self._spans[i][2])
 
 
 def _install_hooks() -> None:

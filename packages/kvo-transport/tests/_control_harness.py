@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from kvo_core.gates import RequestCompletionTracker, SlotGates
-from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_transport.engine import DelegatingEngine, TransferEngine, create_transfer_engine
 from kvo_transport.errors import TransferError
 from kvo_transport.protocol import LayerMeta, TensorGroup
 from kvo_transport.read_plan import (
@@ -190,7 +190,7 @@ class DecodeSpec:
     quarantine_s: float = 2.0
 
 
-class FlakyEngine:
+class FlakyEngine(DelegatingEngine):
     """Delegates to a real engine but fails its first ``failures`` reads (transient faults),
     and pauses half-way through data reads into a stalled layer (``stalls``): the first half
     of the bytes is read, then the pause, then the rest: a slow decode whose read is torn if
@@ -198,27 +198,12 @@ class FlakyEngine:
 
     def __init__(self, engine: TransferEngine, failures: int, geometry: Geometry | None = None,
                  dest_base: int = 0, stalls: Mapping[int, float] | None = None) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._failures = failures
         self._geometry = geometry
         self._dest_base = dest_base
         self.stalls: dict[int, float] = dict(stalls or {})
         self.reads = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def backend(self) -> str:
-        return self._engine.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._engine.protocol
-
-    @property
-    def session_id(self) -> str:
-        return self._engine.session_id
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:

@@ -87,6 +87,57 @@ class TransferEngine(Protocol):
         ...
 
 
+class DelegatingEngine:
+    """A TransferEngine that forwards every call to the engine it wraps.
+
+    The base of wrappers that change one thing (count, time or fault a read): a subclass
+    overrides only that method. Attributes outside the protocol (a backend's extras) reach the
+    wrapped engine too, so a wrapper never hides what the engine underneath offers.
+    """
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self._engine = engine
+
+    @property
+    def inner(self) -> TransferEngine:
+        """The engine this one forwards to."""
+        return self._engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_engine":  # not set yet (copy, unpickling): never recurse
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
+
+    @property
+    def protocol(self) -> str:
+        return self._engine.protocol
+
+    @property
+    def session_id(self) -> str:
+        return self._engine.session_id
+
+    def register(self, ptr: int, length: int) -> None:
+        self._engine.register(ptr, length)
+
+    def unregister(self, ptr: int) -> None:
+        self._engine.unregister(ptr)
+
+    def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+
+    def write(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+              lengths: Sequence[int]) -> None:
+        self._engine.write(peer, local_addrs, remote_addrs, lengths)
+
+    def close(self) -> None:
+        self._engine.close()
+
+
 def create_transfer_engine(backend: str = "mooncake", *, same_host: bool = False,
                            **options: Any) -> TransferEngine:
     """Build the named backend with its options.

@@ -9,7 +9,6 @@ sits between this and the real engine; kvo ships none (the tests bring their fau
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +16,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvo_core.buffer_regions import MAIN_PART
-from kvo_transport.engine import TransferEngine
+from kvo_transport.address_spans import AddressSpans
+from kvo_transport.engine import DelegatingEngine, TransferEngine
 from kvo_transport.errors import TransferError
 
 
@@ -53,41 +53,15 @@ class PartTransferStats:
     descriptors: int = 0
 
 
-class GuardedEngine:
+class GuardedEngine(DelegatingEngine):
     """A TransferEngine for the decode receiver that counts each layer's reads."""
 
     def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion]) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._lock = threading.Lock()
-        self._layers = sorted(layers, key=lambda layer: layer.base)
-        self._bases = [layer.base for layer in self._layers]
+        self._layers = AddressSpans((layer.base, layer.end, layer) for layer in layers)
         self.per_layer: dict[int, LayerTransferStats] = {}
         self.per_part: dict[str, PartTransferStats] = {}
-
-    @property
-    def inner(self) -> TransferEngine:
-        """The engine this one reads through (a configured wrapper, else the real one)."""
-        return self._engine
-
-    # -- the TransferEngine surface the receiver uses -------------------------------------
-
-    @property
-    def backend(self) -> str:
-        return self._engine.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._engine.protocol
-
-    @property
-    def session_id(self) -> str:
-        return self._engine.session_id
-
-    def register(self, ptr: int, length: int) -> None:
-        self._engine.register(ptr, length)
-
-    def unregister(self, ptr: int) -> None:
-        self._engine.unregister(ptr)
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
@@ -101,19 +75,8 @@ class GuardedEngine:
               lengths: Sequence[int]) -> None:
         raise TransferError("decode's guarded engine only reads")
 
-    def close(self) -> None:
-        self._engine.close()
-
-    # -- where an address lives ---------------------------------------------------------------
-
-    def _layer_of(self, address: int) -> LayerRegion | None:
-        i = bisect.bisect_right(self._bases, address) - 1
-        if i < 0 or address >= self._layers[i].end:
-            return None
-        return self._layers[i]
-
     def _account(self, addresses: Sequence[int], lengths: Sequence[int], seconds: float) -> None:
-        layer = self._layer_of(addresses[0]) if addresses else None
+        layer = self._layers.find(addresses[0]) if addresses else None
         if layer is None:
             return  # not a layer's data (the fence words of a read land elsewhere)
         stats = self.per_layer.setdefault(layer.index, LayerTransferStats())
@@ -121,7 +84,7 @@ class GuardedEngine:
         stats.bytes += sum(lengths)
         stats.seconds += seconds
         for address, length in zip(addresses, lengths, strict=True):
-            region = self._layer_of(address)
+            region = self._layers.find(address)
             if region is not None:
                 part = self.per_part.setdefault(region.part, PartTransferStats())
                 part.bytes += length
