@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import pytest
 import torch
 
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.gates import RequestCompletionTracker, SlotGates
+from kvo_transport.address_spans import AddressSpans
 from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
-from kvo_transport.engine import TransferEngine, create_transfer_engine
+from kvo_transport.engine import DelegatingEngine, TransferEngine, create_transfer_engine
 from kvo_vllm.remote_d2h.decode_worker import IDLE_WAIT_S, DecodePuller
 from kvo_vllm.remote_d2h.guarded_engine import LayerRegion
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
@@ -107,43 +108,51 @@ class Prefill:
             self.engine.unregister(tensor.data_ptr())
 
 
-class SlowEngine:
+class SlowEngine(DelegatingEngine):
     """Test-only ``engine_wrapper``: every read into the KV layers first sleeps ``stall_s``
     (a decode that is slow, not dead); other reads (the fence words) are not delayed."""
 
     def __init__(self, engine: TransferEngine, layers: Sequence[LayerRegion],
                  stall_s: float) -> None:
-        self._engine, self._stall_s = engine, stall_s
-        self._spans = [(layer.base, layer.end) for layer in layers]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def backend(self) -> str:
-        return self._engine.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._engine.protocol
-
-    @property
-    def session_id(self) -> str:
-        return self._engine.session_id
+        super().__init__(engine)
+        self._stall_s = stall_s
+        self._layers = AddressSpans((layer.base, layer.end, layer.index) for layer in layers)
+        self._lock = threading.Lock()
+        self.data_read_started = threading.Event()
+        self.data_reads_in_flight = 0
+        self.data_reads_ended = 0
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
-        if any(start <= local_addrs[0] < end for start, end in self._spans):
+        if self._layers.find(local_addrs[0]) is None:
+            self._engine.read(peer, local_addrs, remote_addrs, lengths)
+            return
+        with self._lock:
+            self.data_reads_in_flight += 1
+        self.data_read_started.set()
+        try:
             time.sleep(self._stall_s)
-        self._engine.read(peer, local_addrs, remote_addrs, lengths)
+            self._engine.read(peer, local_addrs, remote_addrs, lengths)
+        finally:
+            with self._lock:
+                self.data_reads_in_flight -= 1
+                self.data_reads_ended += 1
 
 
-def make_puller(stall_s: float) -> tuple[DecodePuller, dict[str, torch.Tensor]]:
+def make_puller(stall_s: float, engines: list[SlowEngine] | None = None
+                ) -> tuple[DecodePuller, dict[str, torch.Tensor]]:
+    """A decode worker reading through a SlowEngine (appended to ``engines`` when given)."""
     config = RemoteD2HConfig(kv_port=free_port(), layer_deadline_s=30.0,
                              handshake_timeout_s=30.0, read_retries=0)
+
+    def wrapper(engine: TransferEngine, layers: Sequence[LayerRegion]) -> TransferEngine:
+        slow = SlowEngine(engine, layers, stall_s)
+        if engines is not None:
+            engines.append(slow)
+        return slow
+
     puller = DecodePuller(config=config, tp_rank=0, tp_size=1, dp_rank=0,
-                          engine_wrapper=lambda engine, layers: SlowEngine(  # type: ignore[return-value]
-                              engine, layers, stall_s))
+                          engine_wrapper=wrapper)
     kv = {layer(i): torch.full((BLOCKS, *BLOCK_SHAPE), -1.0) for i in range(LAYERS)}
     puller.register_kv_caches(kv)
     return puller, kv
@@ -249,20 +258,24 @@ def test_an_idle_step_sleeps_for_the_pull_instead_of_polling(
 
 def test_revoking_a_stalled_pull_never_blocks_and_returns_blocks_after_the_read(
         prefill_engine: TransferEngine) -> None:
-    prefill = Prefill(prefill_engine, deadline_s=10.0)
-    puller, _ = make_puller(1.5)
+    """Checked by events, not clocks: the read stalls 5 s inside the engine call; the step that
+    revokes the request returns while that read is still in flight (it did not wait behind it),
+    and the request's blocks are reported back only after the read ended."""
+    prefill = Prefill(prefill_engine, deadline_s=30.0)
+    engines: list[SlowEngine] = []
+    puller, _ = make_puller(5.0, engines)
     try:
         register(puller, "t3")
         prefill.fill(occupant=1)
         prefill.publish(puller.endpoint, "t3")
-        time.sleep(0.3)  # the first read is now stalled inside the engine call
-        started = time.monotonic()
+        assert engines and engines[0].data_read_started.wait(WAIT)  # a read is now stalled
+        slow = engines[0]
         puller.start_step(RemoteD2HMetadata(revoked_recvs=("req-t3",)))  # vLLM's abort
         done, _ = puller.collect()
-        assert time.monotonic() - started < 0.3  # the step thread did not wait for the read
+        assert slow.data_reads_in_flight >= 1  # the step thread did not wait for the read
         assert "req-t3" not in done  # a read may still write the blocks: not handed back
         done, _ = collect_until(puller, "req-t3")
-        assert time.monotonic() - started >= 1.0  # ... until that read ended
+        assert slow.data_reads_ended >= 1 and slow.data_reads_in_flight == 0  # ... until it ended
     finally:
         prefill.close()
         puller.close()
