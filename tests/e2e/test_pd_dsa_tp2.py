@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,13 +42,6 @@ DEADLINE_S = 30.0
 ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
 INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
 TP2_LOGPROB_TOLERANCE = 1e-3
-TEXT = ("A lightning indexer picks the rows each query reads; decode keeps every row in host "
-        "memory and copies in only the misses. ")
-
-
-def _prompt(tag: str, length: int) -> str:
-    text = f"{tag}: " + TEXT * (length // len(TEXT) + 1)
-    return text[:length]
 
 
 @attrs.frozen
@@ -58,10 +50,9 @@ class Deployment:
     proxy: str
     workdir: Path
 
-    def decode_stats(self) -> dict[str, Any]:
-        from kvo_vllm.remote_d2h.stats_file import read_stats
-
-        return dict(read_stats(self.workdir / "decode-stats.json").get("decode", {}))
+    @property
+    def decode_stats_file(self) -> Path:
+        return self.workdir / "decode-stats.json"
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +95,6 @@ def _complete(url: str, prompt: str) -> Any:
                     timeout_s=300)
 
 
-def _settled_stats(deployment: Deployment, received: int) -> dict[str, Any]:
-    """Decode's stats once it counted ``received`` requests (the file lags a step)."""
-    limit = time.monotonic() + 30
-    while True:
-        stats = deployment.decode_stats()
-        if stats.get("received", 0) + stats.get("failed", 0) >= received \
-                or time.monotonic() > limit:
-            return stats
-        time.sleep(0.25)
-
-
 def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
     """Three requests in a row: same tokens as the decode's own answer, logprobs within the TP
     rounding. A pulled request moves one copy of the main KV (member 0) and one of the indexer
@@ -122,11 +102,14 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
     decode past the layer deadline (measured, issue 14 notes): the fence then refuses the read
     and the request is recomputed to the same answer, so a request may end ``failed`` (never
     wrong); at least one must be pulled, and with none failed the bytes are exact."""
-    before = deployment.decode_stats()
+    from pd.prompts import tagged_prompt
+    from pd.stats import decode_stats, settled_decode_stats
+
+    before = decode_stats(deployment.decode_stats_file)
     cases = [("golf", 257), ("hotel", 700), ("india", 200)]
     worst = 0.0
     for tag, length in cases:
-        prompt = _prompt(tag, length)
+        prompt = tagged_prompt(tag, length)
         want = _complete(deployment.decode, prompt)
         assert want.ok, (tag, want.error)
         got = _complete(deployment.proxy, prompt)
@@ -136,7 +119,8 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: Deployment) -> None:
                                                         strict=True))])
     assert worst < TP2_LOGPROB_TOLERANCE, worst
     received = before.get("received", 0)
-    after = _settled_stats(deployment, received + len(cases))
+    after = settled_decode_stats(deployment.decode_stats_file,
+                                 received + before.get("failed", 0) + len(cases))
     pulled = after["received"] - received
     failed = after["failed"] - before.get("failed", 0)
     assert pulled + failed == len(cases), (pulled, failed)
