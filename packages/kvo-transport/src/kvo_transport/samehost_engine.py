@@ -41,7 +41,7 @@ from typing import Any
 import attrs
 
 from kvo_transport.engine import SAME_HOST_MARK as MARK
-from kvo_transport.engine import TransferEngine
+from kvo_transport.engine import DelegatingEngine, TransferEngine
 from kvo_transport.errors import TransferArgumentError, TransferError
 from kvo_transport.regions import MemoryRegion, RegionRegistry, TransferBatch
 
@@ -234,16 +234,17 @@ def check_remote_ranges(remote: RegionRegistry, batch: TransferBatch, pid: int) 
                 f"that peer pid {pid} registered (registered: {known})")
 
 
-class SameHostEngine:
+class SameHostEngine(DelegatingEngine):
     """A TransferEngine that copies directly to/from same-host peers (see the module docstring).
 
-    ``backend`` and ``protocol`` are the inner engine's, so handshakes compare as before.
+    ``backend`` and ``protocol`` are the inner engine's (DelegatingEngine), so handshakes
+    compare as before.
     """
 
     def __init__(self, inner: TransferEngine) -> None:
         if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
             raise TransferError("the same-host engine builds 64-bit iovecs: a 64-bit host only")
-        self._inner = inner
+        super().__init__(inner)
         self._host = host_key()
         self._pid = os.getpid()
         start = start_time(self._pid)
@@ -260,25 +261,13 @@ class SameHostEngine:
         """Bytes copied directly (read or written) so far; the rest went through ``inner``."""
 
     @property
-    def inner(self) -> TransferEngine:
-        return self._inner
-
-    @property
-    def backend(self) -> str:
-        return self._inner.backend
-
-    @property
-    def protocol(self) -> str:
-        return self._inner.protocol
-
-    @property
     def session_id(self) -> str:
-        return self._inner.session_id + self._address.render()
+        return self._engine.session_id + self._address.render()
 
     def register(self, ptr: int, length: int) -> None:
         self._check_open()
         with self._lock:
-            self._inner.register(ptr, length)
+            self._engine.register(ptr, length)
             self._local.add(ptr, length)
             self._registry.add(ptr, length)
 
@@ -287,7 +276,7 @@ class SameHostEngine:
         with self._lock:
             self._registry.remove(ptr)
             self._local.remove(ptr)
-            self._inner.unregister(ptr)
+            self._engine.unregister(ptr)
 
     def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
              lengths: Sequence[int]) -> None:
@@ -314,7 +303,7 @@ class SameHostEngine:
         inner_peer, address = split_session_id(peer)
         remote = self._reachable(address) if address is not None else None
         if address is None or remote is None:
-            call = self._inner.read if read else self._inner.write
+            call = self._engine.read if read else self._engine.write
             call(inner_peer, local_addrs, remote_addrs, lengths)
             return
         batch = self._local.check_batch(peer, local_addrs, remote_addrs, lengths)
@@ -324,9 +313,9 @@ class SameHostEngine:
             self.direct_bytes += batch.total_bytes
         except DirectCopyRefused as refused:
             log.warning("%s; using the %s engine for pid %d from now on", refused,
-                        self._inner.backend, address.pid)
+                        self._engine.backend, address.pid)
             self._refused.add(address.pid)
-            call = self._inner.read if read else self._inner.write
+            call = self._engine.read if read else self._engine.write
             call(inner_peer, local_addrs, remote_addrs, lengths)
 
     def _check_open(self) -> None:
@@ -339,7 +328,7 @@ class SameHostEngine:
                 return
             self._closed = True
             self._registry.close()
-        self._inner.close()
+        self._engine.close()
 
     def __enter__(self) -> SameHostEngine:
         return self
