@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, help="where to build/reuse the tiny model")
     parser.add_argument("--no-peer", action="store_true",
                         help="leave out vLLM's MooncakeStoreConnector engine")
+    parser.add_argument("--direct", action="store_true",
+                        help="add a kvo engine without save staging (save_staging_bytes=0: "
+                             "every layer put from its device buffer during the forward)")
     args = parser.parse_args(argv)
     if args.lengths is None:
         args.lengths = [256, 1024] if args.quick else [256, 512, 1024, 4096]
@@ -115,7 +118,10 @@ def report_of(llm: Any, transfer: dict[str, Any] | None) -> dict[str, Any]:
             saved_bytes=stats.saved_bytes, failed_saves=stats.failed_saves,
             failed_loads=stats.failed_loads, save_seconds=stats.save_seconds,
             ready_wait_seconds=stats.ready_wait_seconds,
-            step_end_wait_seconds=stats.step_end_wait_seconds, steps=stats.steps)
+            step_end_wait_seconds=stats.step_end_wait_seconds, steps=stats.steps,
+            staged_bytes=stats.staged_bytes, staging_fallbacks=stats.staging_fallbacks,
+            stage_seconds=stats.stage_seconds, flush_seconds=stats.flush_seconds,
+            flush_wait_seconds=stats.flush_wait_seconds)
     return report
 
 
@@ -194,6 +200,12 @@ def row_of(length: int, samples: dict[str, list[float]]) -> dict[str, Any]:
         row.update(ttft_peer_s=statistics.median(peer),
                    peer_overhead_pct=100.0 * (median_ratio(peer, plain) - 1.0),
                    kvo_over_peer=median_ratio(kvo, peer), samples_peer_s=peer)
+    direct = samples.get("direct")
+    if direct is not None:
+        row.update(ttft_direct_s=statistics.median(direct),
+                   kvo_over_direct=median_ratio(kvo, direct), samples_direct_s=direct)
+        if peer is not None:
+            row.update(direct_over_peer=median_ratio(direct, peer))
     return row
 
 
@@ -233,6 +245,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_peer:
             engines.append(Engine("peer", model, max_len,
                                   *peer_transfer(Path(workdir), master.address)))
+        if args.direct:
+            direct = json.loads(json.dumps(transfer))
+            direct["kv_connector_extra_config"]["save_staging_bytes"] = 0
+            engines.append(Engine("direct", model, max_len, direct))
         try:
             for engine in engines:
                 engine.wait_ready()
@@ -255,7 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "footprint_ratio": offload_report["kv_bytes"] / plain_report["kv_bytes"],
         **{key: offload_report[key] for key in (
             "saved_bytes", "failed_saves", "failed_loads", "save_seconds", "ready_wait_seconds",
-            "step_end_wait_seconds", "steps")},
+            "step_end_wait_seconds", "steps", "staged_bytes", "staging_fallbacks",
+            "stage_seconds", "flush_seconds", "flush_wait_seconds")},
         "critical_path_ms_per_prefill": 1000.0 * waited / max(offload_report["steps"], 1),
         "results": rows, "target_overhead_pct": TARGET_OVERHEAD_PCT,
         "meets_target": (all(r["overhead_pct"] <= TARGET_OVERHEAD_PCT for r in at_target)
@@ -291,6 +308,18 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['ready_wait_seconds']:.3f} s waiting for buffers, "
           f"{report['step_end_wait_seconds']:.3f} s waiting for the last saves "
           f"({report['critical_path_ms_per_prefill']:.1f} ms per prefill)")
+    steps = max(report["steps"], 1)
+    print(f"save staging: {report['staged_bytes'] / 2**20:.1f} MiB staged, "
+          f"{report['staging_fallbacks']} layers saved directly (area full); per prefill "
+          f"{1000 * report['stage_seconds'] / steps:.2f} ms gathering (saver thread, slot "
+          f"closed), {1000 * report['flush_seconds'] / steps:.2f} ms batched put after the "
+          f"forward, {1000 * report['flush_wait_seconds'] / steps:.2f} ms the next step waited "
+          f"for it")
+    if any("kvo_over_direct" in row for row in report["results"]):
+        print("kvo staged vs direct saves (median round ratio): " + ", ".join(
+            f"{row['prompt_tokens']}: {row['kvo_over_direct']:.3f}"
+            + (f" (direct/peer {row['direct_over_peer']:.3f})" if "direct_over_peer" in row
+               else "") for row in report["results"]))
     if report["meets_target"] is not None:
         verdict = "met" if report["meets_target"] else "MISSED"
         print(f"target (<= {report['target_overhead_pct']:.0f}% TTFT overhead at 4K): {verdict}")

@@ -48,6 +48,7 @@ from kvo_vllm.layerwise.keys import StoreKeys, namespace_for
 from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
 from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
+from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.store_client import (
     STORE_OPTIONS_KEY,
     acquire_store,
@@ -135,14 +136,15 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 layout=self.layout,
                 keys=StoreKeys(namespace=namespace, rank=get_tensor_model_parallel_rank()),
                 store=self._store, prefetch_depth=self.config.prefetch_depth,
-                layer_deadline_s=self.config.layer_deadline_s)
+                layer_deadline_s=self.config.layer_deadline_s,
+                staging_bytes=self.config.save_staging_bytes)
         else:
             self._scheduler = LayerwiseScheduler(
                 block_size=self.layout.block_size,
                 stored_parts=self.layout.stored_parts,
                 keys=StoreKeys(namespace=namespace),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                engine_id=engine_id, store_exists=self._store.exists,
+                engine_id=engine_id, store_exists=self._store_exists,
                 block_ids_of=self._block_ids_of, evict_local=self._evict_cached)
         logger.info("kvo LayerwiseStoreConnector (%s): %s", role.name, self.layout.describe())
 
@@ -226,6 +228,11 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     @property
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.stats
+
+    def _store_exists(self, keys: list[str]) -> list[bool]:
+        """The store's answer once this process's staged puts landed (``staging``)."""
+        PENDING_PUTS.wait(self._store, self.config.layer_deadline_s)
+        return list(self._store.exists(keys))
 
     def _block_ids_of(self, request_id: str) -> list[int]:
         if self._kv_cache_manager is None:

@@ -14,6 +14,9 @@ before its predecessor in the forward returns. Hence:
 - readying a layer = wait on its slot gate (the previous occupant's save), then load the
   blocks the scheduler listed into the slot;
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
+  With a staging area (``staging``) a save is a gather into registered host memory that
+  releases the slot at once; ``finish_step`` hands the step's staged blocks to the saver as one
+  batched put and returns, and the next ``start_step`` waits for that put before it loads.
 
 A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
 times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
@@ -47,6 +50,7 @@ from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
 from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
+from kvo_vllm.layerwise.staging import PENDING_PUTS, SaveStaging, StagedBatch, block_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,16 @@ class LayerwiseStats:
     failed_saves: int = 0
     poisoned_keys: int = 0
     save_seconds: float = 0.0
+    staged_bytes: int = 0
+    """Bytes copied to the staging area (then put after the forward)."""
+    staging_fallbacks: int = 0
+    """Layer saves that did not fit the staging area and were put from the device buffer."""
+    stage_seconds: float = 0.0
+    """Saver time spent gathering layers into the staging area (slot closed meanwhile)."""
+    flush_seconds: float = 0.0
+    """Time of the batched puts of staged blocks (after the forward)."""
+    flush_wait_seconds: float = 0.0
+    """Time ``start_step`` waited for the previous step's staged puts."""
     load_seconds: float = 0.0
     ready_wait_seconds: float = 0.0
     """Time the forward waited for a layer to be ready (slot release + load not yet done)."""
@@ -110,6 +124,8 @@ class _Part:
     planned: PlannedPart
     tensor: torch.Tensor
     pointer: int
+    rows: torch.Tensor
+    """The cache as uint8 [blocks, block_bytes] (what the staging gather reads)."""
 
     def address(self, block_id: int) -> int:
         return self.pointer + block_id * self.planned.block_bytes
@@ -145,12 +161,14 @@ class LayerwiseWorker:
     """Drives loads and saves around each attention layer of one worker."""
 
     def __init__(self, *, layout: LayerLayout, keys: StoreKeys, store: Any,
-                 prefetch_depth: int, layer_deadline_s: float) -> None:
+                 prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0) -> None:
         self.layout = layout
         self.keys = keys
         self.store = store
         self.prefetch_depth = prefetch_depth
         self.layer_deadline_s = layer_deadline_s
+        self.staging_bytes = staging_bytes
+        self.staging: SaveStaging | None = None
         self.gates = SlotGates()
         self.load_hook: LoadHook | None = None
         self.stats = LayerwiseStats()
@@ -177,6 +195,8 @@ class LayerwiseWorker:
         self._pending_loads: dict[str, Future[list[int]]] = {}
         self._ready: set[str] = set()
         self._save_futures: list[Future[None]] = []
+        self._staged = StagedBatch()
+        self._flush: Future[bool] | None = None
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -184,13 +204,20 @@ class LayerwiseWorker:
         check_aliasing(self.layout, kv_caches)
         for layer in self.layout.layers:
             parts = tuple(_Part(planned=part, tensor=kv_caches[part.cache_name],
-                                pointer=kv_caches[part.cache_name].data_ptr())
+                                pointer=kv_caches[part.cache_name].data_ptr(),
+                                rows=block_rows(kv_caches[part.cache_name], part.block_bytes))
                           for part in layer.parts)
             self._buffers[layer.name] = _Buffer(layer=layer, parts=parts,
                                                 slot=(parts[0].pointer,))
         start = min(part.pointer for b in self._buffers.values() for part in b.parts)
         self.store.register(start, self.layout.physical_bytes)
         self._registered.append(start)
+        if self.staging_bytes:
+            widest = max(sum(part.block_bytes for part in layer.parts)
+                         for layer in self.layout.layers)
+            self.staging = SaveStaging(self.staging_bytes, min_bytes=widest)
+            self.store.register(self.staging.pointer, self.staging.capacity)
+            self._registered.append(self.staging.pointer)
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
                     self.layout.describe(), self.layout.physical_bytes,
                     self.layout.logical_bytes,
@@ -216,6 +243,7 @@ class LayerwiseWorker:
         self._step_poisoned = False
         if not meta.has_work:
             return
+        self.wait_staged_puts()
         with self._stats_lock:
             self.stats.steps += 1
         self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
@@ -262,9 +290,32 @@ class LayerwiseWorker:
                 self.stats.step_end_wait_seconds += time.perf_counter() - started
         self._save_futures = []
         self._meta = None
+        if self._staged.keys:
+            batch, self._staged = self._staged, StagedBatch()
+            self._flush = self._saver.submit(self._put_staged, batch)
+            PENDING_PUTS.add(self.store, self._flush)
         if self._step_poisoned:
             self._step_poisoned = False
             self._remove_poisoned_now()
+
+    def wait_staged_puts(self) -> None:
+        """Wait until the last step's staged blocks are in the store (or their keys are
+        poisoned and removed); then the staging area is free again."""
+        flush, self._flush = self._flush, None
+        if flush is None:
+            return
+        started = time.perf_counter()
+        try:
+            poisoned = flush.result(timeout=2 * self.layer_deadline_s)
+        except TimeoutError as error:
+            raise PipelineError(f"the staged saves of the last step did not end within "
+                                f"{2 * self.layer_deadline_s:g} s (store put hung)") from error
+        if poisoned:
+            self._remove_poisoned_now()
+        if self.staging is not None:
+            self.staging.reset()
+        with self._stats_lock:
+            self.stats.flush_wait_seconds += time.perf_counter() - started
 
     def _remove_poisoned_now(self) -> None:
         """Wait for the removal of the keys this step poisoned (module docstring)."""
@@ -305,8 +356,14 @@ class LayerwiseWorker:
             names |= self._request_blocks.pop(request_id, set())
         if names:
             refs = [BlockRef(block_id=0, name=name) for name in sorted(names)]
-            self.poisoned.remove_later(key for buffer in self._buffers.values()
-                                       for key in buffer.keys(self.keys, refs))
+            keys = [key for buffer in self._buffers.values()
+                    for key in buffer.keys(self.keys, refs)]
+            if self._flush is not None and not self._flush.done():
+                # After the staged put of these keys: removing first would leave them stored
+                # (and the put's begin_save would cancel a removal not yet started).
+                self._saver.submit(self.poisoned.remove_later, keys)
+            else:
+                self.poisoned.remove_later(keys)
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
@@ -510,6 +567,88 @@ class LayerwiseWorker:
         return None
 
     def _save_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
+        if self.staging is not None and refs:
+            width = sum(cache.planned.block_bytes for cache in buffer.parts)
+            offset = self.staging.reserve(len(refs) * width)
+            if offset is not None:
+                self._stage_layer(buffer, part, refs, offset)
+                return
+            with self._stats_lock:
+                self.stats.staging_fallbacks += 1
+        self._put_layer(buffer, part, refs)
+
+    def _stage_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef],
+                     offset: int) -> None:
+        """Copy the layer's blocks to the staging area and release the slot; the put follows
+        after the forward (``_put_staged``)."""
+        assert self.staging is not None
+        started = time.perf_counter()
+        keys = buffer.keys(self.keys, refs)
+        block_ids = [ref.block_id for ref in refs]
+        addrs: list[int] = []
+        sizes: list[int] = []
+        try:
+            for cache in buffer.parts:
+                first = self.staging.gather(cache.rows, block_ids, offset)
+                width = cache.planned.block_bytes
+                addrs += [first + i * width for i in range(len(refs))]
+                sizes += [width] * len(refs)
+                offset += len(refs) * width
+            # False: the slot was given up on (deadline) and may have been overwritten
+            # mid-copy.
+            copied = self.gates.mark_done(buffer.slot, part)
+        except Exception as error:
+            self._fail_save(buffer, part, keys, len(refs), error)
+            return
+        if not copied:
+            self._poison(keys)
+            return
+        staged = self._staged
+        staged.keys += keys
+        staged.addrs += addrs
+        staged.sizes += sizes
+        staged.blocks += len(refs)
+        for cache in buffer.parts:
+            staged.bytes_by_part[cache.planned.part] = (
+                staged.bytes_by_part.get(cache.planned.part, 0)
+                + len(refs) * cache.planned.block_bytes)
+        with self._stats_lock:
+            self.stats.staged_bytes += sum(sizes)
+            self.stats.stage_seconds += time.perf_counter() - started
+
+    def _put_staged(self, batch: StagedBatch) -> bool:
+        """One batched put of a step's staged blocks; True when it failed (keys poisoned)."""
+        started = time.perf_counter()
+        try:
+            ticket = self.poisoned.begin_save(batch.keys, self.layer_deadline_s)
+        except RemovalStillRunningError as error:
+            self._fail_staged(batch, error)
+            return True
+        stored = False
+        try:
+            self.store.put_from(batch.keys, batch.addrs, batch.sizes)
+            stored = True
+        except Exception as error:
+            self._fail_staged(batch, error)
+        finally:
+            self.poisoned.end_save(ticket, stored=stored)
+        if stored:
+            with self._stats_lock:
+                self.stats.saved_blocks += batch.blocks
+                self.stats.saved_bytes += sum(batch.sizes)
+                for name, moved in batch.bytes_by_part.items():
+                    by_part = self.stats.saved_bytes_by_part
+                    by_part[name] = by_part.get(name, 0) + moved
+                self.stats.flush_seconds += time.perf_counter() - started
+        return not stored
+
+    def _fail_staged(self, batch: StagedBatch, error: Exception) -> None:
+        logger.error("kvo layerwise: saving %d staged blocks failed: %s", batch.blocks, error)
+        self._poison_keys(batch.keys)
+        with self._stats_lock:
+            self.stats.failed_saves += batch.blocks
+
+    def _put_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         started = time.perf_counter()
         keys, addrs, sizes = buffer.transfers(self.keys, refs)
         try:
@@ -551,6 +690,11 @@ class LayerwiseWorker:
 
     def _poison(self, keys: list[str]) -> None:
         self._step_poisoned = True
+        self._poison_keys(keys)
+
+    def _poison_keys(self, keys: list[str]) -> None:
+        """Poison without ending the step on their removal (a staged put after the step:
+        the next step waits for the removal in ``wait_staged_puts``)."""
         self.poisoned.poison(keys)
         with self._stats_lock:
             self.stats.poisoned_keys += len(keys)

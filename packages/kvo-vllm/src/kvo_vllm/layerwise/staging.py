@@ -1,0 +1,119 @@
+"""Host staging for layer saves: the save leaves the forward's critical path.
+
+A layer's save used to put straight from its device buffer, so the buffer's slot stayed closed
+until the store had the bytes (Mooncake's put copies at ~1 GB/s, one RPC pair per layer, all
+while the forward runs on the same CPUs). With staging, the saver copies the layer's blocks into
+a registered host area with one gather (memcpy speed) and releases the slot at once; the step's
+staged blocks are then put in one batch after the forward (``LayerwiseWorker.finish_step``),
+and the next step waits for that batch before it loads anything.
+
+The area is a bump allocator reset between steps (only once the previous batch is in the
+store). A layer that does not fit is saved directly from its buffer, as without staging.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import torch
+
+from kvo_core.errors import ConfigError
+
+
+def block_rows(tensor: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """A uint8 [blocks, block_bytes] view of a block-major cache (as the store addresses it)."""
+    storage = tensor.untyped_storage()
+    offset = tensor.storage_offset() * tensor.element_size()
+    blocks = (storage.nbytes() - offset) // block_bytes
+    rows = torch.empty(0, dtype=torch.uint8)
+    rows.set_(storage, offset, (blocks, block_bytes))
+    return rows
+
+
+@attrs.define
+class StagedBatch:
+    """What a step staged: one batched put after the forward."""
+
+    keys: list[str] = attrs.field(factory=list)
+    addrs: list[int] = attrs.field(factory=list)
+    sizes: list[int] = attrs.field(factory=list)
+    blocks: int = 0
+    bytes_by_part: dict[str, int] = attrs.field(factory=dict)
+
+
+class SaveStaging:
+    """A registered host area that layer saves are copied into (module docstring)."""
+
+    def __init__(self, capacity: int, *, min_bytes: int) -> None:
+        if capacity < min_bytes:
+            raise ConfigError(
+                f"save_staging_bytes={capacity} cannot hold one block of the largest layer "
+                f"({min_bytes} bytes); allowed: 0 (no staging) or >= {min_bytes}")
+        self.capacity = capacity
+        self.area = torch.empty(capacity, dtype=torch.uint8)
+        self.pointer: int = self.area.data_ptr()
+        self._used = 0
+
+    def reserve(self, nbytes: int) -> int | None:
+        """Offset of ``nbytes`` free bytes, or None when the area is full for this step."""
+        if self._used + nbytes > self.capacity:
+            return None
+        offset, self._used = self._used, self._used + nbytes
+        return offset
+
+    def reset(self) -> None:
+        """Free the whole area: only once nothing staged is still being put."""
+        self._used = 0
+
+    def gather(self, rows: torch.Tensor, block_ids: Sequence[int], offset: int) -> int:
+        """Copy ``rows[block_ids]`` to ``offset``; the address of the first copied block."""
+        count, width = len(block_ids), int(rows.shape[1])
+        out = self.area[offset:offset + count * width].view(count, width)
+        torch.index_select(rows, 0, torch.tensor(block_ids, dtype=torch.long), out=out)
+        return self.pointer + offset
+
+
+class PendingPuts:
+    """Staged batches not yet in the store, per store client, for readers in this process.
+
+    The scheduler half shares the worker's store client when both run in one process; its
+    prefix lookup waits for these first, so a prompt that just ran is found in the store
+    (without the wait it would be a miss: correct, only slower). Workers in other processes
+    are not waited for.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[int, list[Future[Any]]] = {}
+
+    def add(self, store: Any, future: Future[Any]) -> None:
+        with self._lock:
+            self._futures.setdefault(id(store), []).append(future)
+        future.add_done_callback(lambda done: self._drop(store, done))
+
+    def wait(self, store: Any, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for ``store``'s pending batches; errors are the
+        saver's to handle (it poisons the keys)."""
+        with self._lock:
+            futures = list(self._futures.get(id(store), ()))
+        for future in futures:
+            try:
+                future.result(timeout=timeout_s)
+            except Exception:  # failed or late: the lookup then sees the store as it is
+                return
+
+    def _drop(self, store: Any, future: Future[Any]) -> None:
+        with self._lock:
+            futures = self._futures.get(id(store), [])
+            if future in futures:
+                futures.remove(future)
+            if not futures:
+                self._futures.pop(id(store), None)
+
+
+PENDING_PUTS = PendingPuts()
+"""The process's staged batches in flight (see ``PendingPuts``)."""

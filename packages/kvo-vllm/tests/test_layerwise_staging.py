@@ -1,0 +1,158 @@
+"""Staged layer saves: the slot is free after a host copy, the put follows the forward.
+
+Same rig as test_layerwise_worker (an in-memory store stands in for Mooncake in this unit
+test of kvo's own logic; tests/e2e runs the real store with staging on by default).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_layerwise_worker import (
+    KEYS,
+    NAMES,
+    NUM_BLOCKS,
+    SPEC,
+    MemoryStore,
+    forward,
+    step_meta,
+)
+from vllm.v1.attention.backend import KVCacheLayout
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvo_core.config import LayerwiseOffloadConfig
+from kvo_core.errors import ConfigError
+from kvo_vllm.layerwise.layout import apply_layout, plan_layout
+from kvo_vllm.layerwise.staging import PENDING_PUTS
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker
+
+PAGE = SPEC.page_size_bytes
+
+
+class CountingStore(MemoryStore):
+    """Counts put calls; ``gate`` (when set) holds every put until it is opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_calls: list[int] = []
+        self.gate: threading.Event | None = None
+
+    def put_from(self, keys, addrs, lengths) -> None:
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        self.put_calls.append(len(keys))
+        super().put_from(keys, addrs, lengths)
+
+
+def make_worker(staging_bytes: int) -> tuple[LayerwiseWorker, CountingStore, dict]:
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=len(NAMES) * NUM_BLOCKS * PAGE, layers=NAMES,
+                                        layer_stride=NUM_BLOCKS * PAGE, block_stride=PAGE)],
+        kv_cache_groups=[KVCacheGroupSpec(NAMES, SPEC)])
+    layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1))
+    apply_layout(config, layout)
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
+    store = CountingStore()
+    worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
+                             layer_deadline_s=5.0, staging_bytes=staging_bytes)
+    worker.register_kv_caches(caches)
+    return worker, store, caches
+
+
+@pytest.fixture
+def staged():
+    worker, store, caches = make_worker(64 * PAGE)
+    yield worker, store, caches
+    worker.close()
+
+
+def stored_value(store: MemoryStore, key: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(store.values[key]), dtype=torch.float32)
+
+
+def test_a_cold_step_releases_slots_before_any_put_and_puts_once_after(staged) -> None:
+    worker, store, caches = staged
+    store.gate = threading.Event()  # no put can land while the forward runs
+    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
+    # The forward ended (layers 2.. reused shared slots) although nothing is stored yet.
+    assert store.values == {} and worker.stats.staged_bytes == 6 * 2 * PAGE
+    store.gate.set()
+    worker.wait_staged_puts()
+    assert store.put_calls == [12]  # one batched put for the whole step
+    for layer in range(6):  # every layer's own bytes, not a later occupant's
+        assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 100.0 + layer)
+        assert torch.all(stored_value(store, KEYS.key("b2", layer)) == 50.0 + layer)
+    assert worker.stats.saved_blocks == 12 and worker.stats.staging_fallbacks == 0
+
+
+def test_the_next_step_loads_only_after_the_staged_put(staged) -> None:
+    worker, store, caches = staged
+    store.put_delay = 0.05
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    seen: dict[str, torch.Tensor] = {}
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 200.0},
+            seen)
+    assert worker.take_load_errors() == set()
+    for i, name in enumerate(NAMES):
+        assert torch.all(seen[name][1] == 100.0 + i), name
+
+
+def test_a_layer_that_does_not_fit_is_saved_from_its_buffer() -> None:
+    worker, store, caches = make_worker(3 * PAGE)  # room for 3 of the 6 layers' one block
+    try:
+        forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 7.0})
+        worker.wait_staged_puts()
+        assert worker.stats.staging_fallbacks == 3
+        assert worker.stats.staged_bytes == 3 * PAGE
+        for layer in range(6):
+            assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 7.0 + layer)
+        # The area is free again for the next step.
+        forward(worker, caches, step_meta(save=[(2, "b2")]), {2: 8.0})
+        worker.wait_staged_puts()
+        assert worker.stats.staging_fallbacks == 6
+        assert all(KEYS.key("b2", layer) in store.values for layer in range(6))
+    finally:
+        worker.close()
+
+
+def test_a_staging_area_below_one_block_is_refused_with_the_minimum() -> None:
+    with pytest.raises(ConfigError, match=rf"save_staging_bytes=100 .*>= {PAGE}"):
+        make_worker(100)
+
+
+def test_a_failed_staged_put_poisons_its_keys(staged) -> None:
+    worker, store, caches = staged
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+    worker.wait_staged_puts()
+    store.fail_puts_for = {KEYS.key("b1", 3)}
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 9.0})
+    worker.wait_staged_puts()
+    assert worker.stats.failed_saves == 6  # the batch failed whole
+    assert not any(KEYS.key("b1", layer) in store.values for layer in range(6))
+    store.fail_puts_for = set()
+    store.values[KEYS.key("b1", 3)] = bytes(PAGE)  # a stale value survives the removal
+    forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0})
+    assert worker.take_load_errors() == {1}
+
+
+def test_a_finished_requests_blocks_are_removed_after_their_staged_put(staged) -> None:
+    worker, store, caches = staged
+    store.put_delay = 0.1
+    forward(worker, caches, step_meta(save=[(1, "q/E/r/0"), (2, "h/ab")]), {1: 1.0, 2: 2.0})
+    worker.forget_requests({"r"})  # while the put is still running
+    worker.wait_staged_puts()
+    worker._saver.submit(lambda: None).result()
+    worker.poisoned.settle()
+    assert set(store.values) == {KEYS.key("h/ab", i) for i in range(6)}
+
+
+def test_a_lookup_in_the_same_process_sees_the_staged_blocks(staged) -> None:
+    worker, store, caches = staged
+    store.put_delay = 0.1
+    forward(worker, caches, step_meta(save=[(1, "h/x")]), {1: 1.0})
+    PENDING_PUTS.wait(store, 5.0)  # what the scheduler half's prefix lookup does first
+    assert store.exists([KEYS.key("h/x", i) for i in range(6)]) == [True] * 6
