@@ -20,6 +20,7 @@ Starts Mooncake, so it runs inside a loopback-only network namespace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -230,7 +231,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_llama(args.model_dir or Path(tempfile.gettempdir()) / "kvo-tiny-llama-8",
                              num_layers=8)
     max_len = max(args.lengths) + 64
-    with MooncakeMaster() as master, tempfile.TemporaryDirectory() as workdir:
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster())
+        # The direct engine saves the same blocks under the same keys: on a master of its own,
+        # so it never finds the staged engine's saves of a prompt (no prefix hits).
+        direct_master = stack.enter_context(MooncakeMaster()) if args.direct else None
+        workdir = stack.enter_context(tempfile.TemporaryDirectory())
         transfer = {
             "kv_connector": "LayerwiseStoreConnector",
             "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
@@ -246,8 +252,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engines.append(Engine("peer", model, max_len,
                                   *peer_transfer(Path(workdir), master.address)))
         if args.direct:
+            assert direct_master is not None
             direct = json.loads(json.dumps(transfer))
-            direct["kv_connector_extra_config"]["save_staging_bytes"] = 0
+            direct["kv_connector_extra_config"].update(
+                save_staging_bytes=0, store_master_address=direct_master.address)
             engines.append(Engine("direct", model, max_len, direct))
         try:
             for engine in engines:
