@@ -10,22 +10,9 @@ import threading
 
 import pytest
 import torch
-from test_layerwise_worker import (
-    KEYS,
-    NAMES,
-    NUM_BLOCKS,
-    SPEC,
-    MemoryStore,
-    forward,
-    step_meta,
-)
-from vllm.v1.attention.backend import KVCacheLayout
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from vllm.v1.worker.utils import allocate_kv_cache
+from test_layerwise_worker import KEYS, NAMES, SPEC, MemoryStore, forward, make_rig, step_meta
 
-from kvo_core.config import LayerwiseOffloadConfig
 from kvo_core.errors import ConfigError
-from kvo_vllm.layerwise.layout import apply_layout, plan_layout
 from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.worker_side import LayerwiseWorker
 
@@ -48,18 +35,8 @@ class CountingStore(MemoryStore):
 
 
 def make_worker(staging_bytes: int) -> tuple[LayerwiseWorker, CountingStore, dict]:
-    config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=len(NAMES) * NUM_BLOCKS * PAGE, layers=NAMES,
-                                        layer_stride=NUM_BLOCKS * PAGE, block_stride=PAGE)],
-        kv_cache_groups=[KVCacheGroupSpec(NAMES, SPEC)])
-    layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1))
-    apply_layout(config, layout)
-    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
     store = CountingStore()
-    worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
-                             layer_deadline_s=5.0, staging_bytes=staging_bytes)
-    worker.register_kv_caches(caches)
+    worker, caches = make_rig(store, staging_bytes=staging_bytes)
     return worker, store, caches
 
 

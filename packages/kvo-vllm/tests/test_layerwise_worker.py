@@ -95,8 +95,8 @@ class MemoryStore:
         pass
 
 
-@pytest.fixture
-def rig():
+def make_rig(store: MemoryStore, *, staging_bytes: int = 0) -> tuple[LayerwiseWorker, dict]:
+    """A worker over six layers sharing two buffers (layer 0 owns one); its live caches."""
     page = SPEC.page_size_bytes
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -106,10 +106,16 @@ def rig():
     layout = plan_layout(config, LayerwiseOffloadConfig(shared_buffers=2, prefetch_depth=1))
     apply_layout(config, layout)
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
-    store = MemoryStore()
     worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
-                             layer_deadline_s=5.0)
+                             layer_deadline_s=5.0, staging_bytes=staging_bytes)
     worker.register_kv_caches(caches)
+    return worker, caches
+
+
+@pytest.fixture
+def rig():
+    store = MemoryStore()
+    worker, caches = make_rig(store)
     yield worker, store, caches
     worker.close()
 
