@@ -200,9 +200,13 @@ def _overlapping_trace(rows: int, width: int, seq: int, steps: int, overlap: flo
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_like_trace_with_many_rows(threads: int) -> None:
-    """Bigger rows over OpenMP threads; requests change and speculative suffixes drop."""
-    rows, capacity, width, seq = 9, 96, 40, 400
+@pytest.mark.parametrize("shape", [(9, 96, 40, 400), (9, 1024, 1000, 4000)],
+                         ids=["small", "wide"])
+def test_decode_like_trace_with_many_rows(threads: int, shape: tuple[int, ...]) -> None:
+    """Bigger rows over OpenMP threads; requests change and speculative suffixes drop. The
+    small step (360 entries) runs on the calling thread whatever the threads; the wide one
+    (9000 >= the op's 8192) goes over threads when there are two."""
+    rows, capacity, width, seq = shape
     rng = random.Random(threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

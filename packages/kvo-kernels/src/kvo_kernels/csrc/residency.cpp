@@ -31,6 +31,10 @@ namespace {
 // The largest max_seq_len: every token position fits the int32 outputs.
 constexpr int64_t kMaxSeqLen = int64_t{1} << 31;
 
+// Steps with fewer top-k entries (rows x width) than this run on the calling thread
+// (update_rows): R=8 rows of K=128 take ~10 us there, R=8 of K=2048 go parallel.
+constexpr int64_t kParallelEntries = 8192;
+
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
                   int64_t dims) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "residency_update: ", name,
@@ -224,12 +228,16 @@ void update_rows(const Rows& a, const Token* tk, const MakeOutputs& make_outputs
   };
 
   // Rows are handed out one at a time (dynamic): on a shared machine a thread may be
-  // descheduled for milliseconds, and the others take over its rows. One row or one thread:
-  // no OpenMP region to start. Where no row can overflow (K <= C), the checks are a vector
-  // compare per row (~0.1 us) and run on the calling thread: the update's region then has
-  // one barrier, not two (each costs a time slice when a thread is descheduled).
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
+  // descheduled for milliseconds, and the others take over its rows. One row, one thread or
+  // a small step (fewer than kParallelEntries top-k entries in all: a few microseconds of
+  // work, less than starting the region costs, and on a loaded host its barrier waits for a
+  // descheduled thread's time slice): no OpenMP region to start. Where no row can overflow
+  // (K <= C), the checks are a vector compare per row (~0.1 us) and run on the calling
+  // thread: the update's region then has one barrier, not two.
+  const int threads = rows * width < kParallelEntries
+                          ? 1
+                          : static_cast<int>(std::max<int64_t>(
+                                1, std::min<int64_t>(at::get_num_threads(), rows)));
   if (threads <= 1 || width <= capacity) {
     for (int64_t r = 0; r < rows; ++r) check_row(r);
     if (!any_failed()) {
