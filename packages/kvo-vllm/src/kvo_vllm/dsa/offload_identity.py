@@ -75,7 +75,7 @@ class RowIdentity:
         blocks = block_table[:rows, :width].cpu().numpy().astype(_I64)
         cols = np.arange(width, dtype=_I64)[None, :]
         in_cover = cols < covered[:, None]
-        versions = np.where(in_cover, self._versions[np.clip(blocks, 0, None)], -1)
+        versions = np.where(in_cover, self._versions[np.maximum(blocks, 0)], -1)
         blocks = np.where(in_cover, blocks, -1)
         same = ((blocks == self._blocks[:rows, :width])
                 & (versions == self._block_versions[:rows, :width])) | (cols >= need[:, None])

@@ -63,6 +63,7 @@ from kvo_vllm.sparse.layout import SparseModelLayout
 from kvo_vllm.sparse.residency_backend import make_residency_table, native_host_tables
 
 _I64 = torch.int64
+_Ints = torch.Tensor | np.ndarray
 
 
 def _positive(name: str, value: object) -> int:
@@ -122,6 +123,13 @@ class OffloadManager:
                                     device=self.device) for _ in range(layers)]
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
                            for _ in range(layers)]
+            # A decode step's selected rows [R * K, row_dim] land here (caller-owned, no
+            # allocation per step: a fresh 2 MiB tensor per layer call cost page faults). The
+            # backend attends over them within the same layer call, before the next one
+            # overwrites them.
+            self.gathered = [torch.empty(max_rows * top_k, layout.row_dim,
+                                         dtype=layout.kv_dtype, device=self.device)
+                             for _ in range(layers)]
             if copy_implementation is None and native_host_tables(self.tables, self.device):
                 # The residency runs kvo's native library, so its C++ host copy is there too.
                 self.copy_implementation = "native"
@@ -139,6 +147,7 @@ class OffloadManager:
             self._update_inputs_np = tuple(t.numpy() for t in self._update_inputs)
             self._row_base = np.arange(max_rows, dtype=np.int64)[:, None] * capacity
             self._columns_np = np.arange(row_width, dtype=np.int64)
+            self._one_token = torch.ones(max_rows, dtype=_I64)   # query lens of a decode step
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
@@ -160,6 +169,12 @@ class OffloadManager:
         """Device bytes of all layers' hot buffers."""
         fused = 0 if self.fused is None else self.fused.hot_buffer_bytes
         return fused + int(sum(h.numel() * h.element_size() for h in self.hot))
+
+    @property
+    def gather_buffer_bytes(self) -> int:
+        """Device bytes of all layers' decode-step gather buffers (``max_rows x top_k`` rows
+        each: the rows one step attends to, a workspace rather than KV)."""
+        return int(sum(g.numel() * g.element_size() for g in self.gathered))
 
     @property
     def pool_region(self) -> tuple[int, int]:
@@ -236,7 +251,11 @@ class OffloadManager:
         """
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
-        topk = topk.cpu().to(_I64)
+        topk = topk.cpu()
+        lens = self._plain_decode_lens(layer, topk, query_start_loc, seq_lens)
+        if lens is not None:
+            return self._gather_decode_step(layer, topk, lens, block_table)
+        topk = topk.to(_I64)
         qsl = query_start_loc.cpu().to(_I64)
         seq_lens = seq_lens.cpu().to(_I64)
         count, width = topk.shape
@@ -249,8 +268,6 @@ class OffloadManager:
                     (query_lens == 1).all()):
                 return self._gather_identity_step(layer, topk, seq_lens, query_lens, blocks)
             return self._gather_with_identity(layer, topk, qsl, seq_lens, query_lens, blocks)
-        if count == requests and bool((query_lens == 1).all()):
-            return self._gather_decode_step(layer, topk, seq_lens, query_lens, blocks)
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
@@ -291,34 +308,54 @@ class OffloadManager:
             pool_rows_used=int(seq_lens.sum()), residency_seconds=residency_seconds))
         return out, valid.to(self.device)
 
-    def _gather_decode_step(self, layer: int, topk: torch.Tensor, seq_lens: torch.Tensor,
-                            query_lens: torch.Tensor, blocks: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` of a batch whose every request decodes one token (most decode steps):
-        the same residency update, copies and rows as the general path, with the index
-        arithmetic in NumPy on views of the same memory (a PyTorch op's dispatch costs several
-        microseconds here, more than its arithmetic on a few hundred indices; it added up to
-        a millisecond per layer and step)."""
+    def _plain_decode_lens(self, layer: int, topk: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+                           ) -> np.ndarray | None:
+        """The sequence lengths (int64 NumPy) if this call is a plain decode step: every batch
+        row decodes one token and none is, or leaves, NOT_OFFLOADED (most decode steps of
+        long requests); else None. Told in NumPy: a PyTorch op's dispatch costs more than
+        these compares of a few values."""
+        lens = seq_lens.cpu().numpy()
+        requests = int(lens.shape[0])
+        if (not requests or topk.shape[0] != requests or self.identity_rows[layer].any_held
+                or int(lens.min()) <= self.capacity):
+            return None
+        qsl = query_start_loc.cpu().numpy()
+        if not (qsl[1:requests + 1] - qsl[:requests] == 1).all():
+            return None
+        plain: np.ndarray = lens.astype(np.int64)
+        return plain
+
+    def _gather_decode_step(self, layer: int, topk: torch.Tensor, lens: np.ndarray,
+                            block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` of a plain decode step (:meth:`_plain_decode_lens`): the same residency
+        update, copies and rows as the general path, with the index arithmetic in NumPy on
+        views of the same memory (a PyTorch op's dispatch costs several microseconds here,
+        more than its arithmetic on a few hundred indices; it added up to a millisecond per
+        layer and step). The rows land in the layer's gather buffer."""
         requests, width = topk.shape
         started = time.perf_counter()
-        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
-        result = self._update_residency(layer, topk, serials, seq_lens - 1, requests)
+        blocks = block_table[:requests].cpu().to(_I64)
+        serials = self.identity[layer].serials(blocks, torch.from_numpy(lens),
+                                               self._one_token[:requests])
+        picks = topk.numpy()
+        result = self._update_residency(layer, picks, serials.numpy(), lens - 1, requests)
         slots = result.slots[:requests, :width].numpy()
         if self.copy_implementation == "native":
             misses, out = self._copy_and_gather(layer, result, blocks, slots)
         else:
             misses = self._copy_misses(layer, result, blocks, requests)
             out = self._hot_rows(layer, slots)
-        valid = topk >= 0
+        valid = picks >= 0
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
-        context = int(seq_lens.sum())
+        context = int(lens.sum())
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
             selected=selected, hits=selected - misses, misses=misses,
             h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
             pool_rows_used=context, residency_seconds=residency_seconds))
-        return out, valid.to(self.device)
+        return out, torch.from_numpy(valid).to(self.device)
 
     def _hot_rows(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """Hot-buffer rows ``[R, K, row_dim]`` of batch rows ``0..R-1`` at ``slots`` [R, K].
@@ -327,28 +364,37 @@ class OffloadManager:
         anything (main_kv's contract; attention masks them), so they are not zeroed."""
         requests, width = slots.shape
         rows = self._hot_row_ids(slots)
-        out = torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device))
+        out = self._gather_out(layer, requests * width)
+        torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device), out=out)
         return out.view(requests, width, -1)
+
+    def _gather_out(self, layer: int, rows: int) -> torch.Tensor:
+        """Layer ``layer``'s gather buffer cut to ``rows`` rows (a fresh tensor if wider, which
+        a decode step never is: at most ``max_rows`` rows of ``top_k``)."""
+        buffer = self.gathered[layer]
+        if rows > buffer.shape[0]:
+            return torch.empty(rows, buffer.shape[1], dtype=buffer.dtype, device=self.device)
+        return buffer[:rows]
 
     def _hot_row_ids(self, slots: np.ndarray) -> np.ndarray:
         """Flat hot-buffer row ids ``[R * K]`` of ``slots`` [R, K] (padding: the row's slot 0)."""
         rows: np.ndarray = (np.maximum(slots, 0) + self._row_base[:slots.shape[0]]).ravel()
         return rows
 
-    def _update_residency(self, layer: int, row_topk: torch.Tensor, serials: torch.Tensor,
-                          stable: torch.Tensor, requests: int,
-                          steady: torch.Tensor | None = None,
+    def _update_residency(self, layer: int, row_topk: _Ints, serials: _Ints, stable: _Ints,
+                          requests: int, steady: torch.Tensor | None = None,
                           first: torch.Tensor | None = None) -> ResidencyResult:
         """One residency update of the first ``requests`` rows (the rest: no request); rows
         outside ``steady`` (bool [requests], default all) are left NOT_OFFLOADED, rows in
-        ``first`` (a subset of ``steady``) go FIRST_OFFLOAD."""
+        ``first`` (a subset of ``steady``) go FIRST_OFFLOAD. The integer inputs may be CPU
+        tensors or NumPy arrays (copied into the table's input buffers either way)."""
         padded, request_ids, stable_lens, states = self._update_inputs_np
         padded.fill(-1)
-        padded[:requests, :row_topk.shape[1]] = row_topk.numpy()
+        padded[:requests, :row_topk.shape[1]] = np.asarray(row_topk)
         request_ids.fill(-1)
-        request_ids[:requests] = serials.numpy()
+        request_ids[:requests] = np.asarray(serials)
         stable_lens.fill(0)
-        stable_lens[:requests] = stable.numpy()
+        stable_lens[:requests] = np.asarray(stable)
         states.fill(int(RequestState.NOT_OFFLOADED))
         if steady is None:
             states[:requests] = int(RequestState.STEADY)
@@ -388,7 +434,7 @@ class OffloadManager:
         requests, width = slots.shape
         src, dst = self._miss_rows(result, blocks, requests)
         hot = self.hot[layer]
-        out = torch.empty(requests * width, hot.shape[1], dtype=hot.dtype, device=self.device)
+        out = self._gather_out(layer, requests * width)
         ops.sparse_copy_gather(self.pool_layer(layer), hot, torch.from_numpy(src),
                                torch.from_numpy(dst), torch.from_numpy(self._hot_row_ids(slots)),
                                out, implementation="native")
