@@ -59,6 +59,23 @@ def test_topk_is_the_sorted_prefix(values: list[int], k: int, data: st.DataObjec
     assert got == ranked + [-1] * (k - len(ranked))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(40, 300), st.integers(1, 12), st.data())
+def test_topk_of_long_rows_is_the_sorted_prefix(rows: int, tokens: int, k: int,
+                                                data: st.DataObject) -> None:
+    """Rows much longer than k take the top-k path (not a whole-row sort): same indices in
+    the same order, ties (few distinct values), NaN, -inf and short visible lengths included."""
+    pool = [-2.0, -1.0, 0.0, 1.0, 2.0, float("nan"), -math.inf, math.inf]
+    values = [data.draw(st.lists(st.sampled_from(pool), min_size=tokens, max_size=tokens))
+              for _ in range(rows)]
+    lengths = [data.draw(st.integers(0, tokens)) for _ in range(rows)]
+    got = topk_indices(torch.tensor(values), k, torch.tensor(lengths)).tolist()
+    for row, length, picked in zip(values, lengths, got, strict=True):
+        ranked = [-math.inf if math.isnan(v) else v for v in row]
+        order = sorted(range(length), key=lambda i: (-ranked[i], i))[:k]
+        assert picked == order + [-1] * (k - len(order))
+
+
 def _attention_by_hand(q, qr, kv, kr, slots, scale):  # type: ignore[no-untyped-def]
     out = torch.zeros(q.shape)
     for t in range(q.shape[0]):
