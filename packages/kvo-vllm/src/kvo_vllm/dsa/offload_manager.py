@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ from kvo_vllm.sparse.layout import SparseModelLayout
 from kvo_vllm.sparse.residency_backend import make_residency_table, native_host_tables
 
 _I64 = torch.int64
-_Ints = torch.Tensor | np.ndarray
+_Ints: TypeAlias = torch.Tensor | np.ndarray
 
 
 def _positive(name: str, value: object) -> int:
