@@ -125,12 +125,13 @@ class OffloadManager:
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
                            for _ in range(layers)]
             # A decode step's selected rows [R * K, row_dim] land here (caller-owned, no
-            # allocation per step: a fresh 2 MiB tensor per layer call cost page faults). The
-            # backend attends over them within the same layer call, before the next one
-            # overwrites them.
-            self.gathered = [torch.empty(max_rows * top_k, layout.row_dim,
-                                         dtype=layout.kv_dtype, device=self.device)
-                             for _ in range(layers)]
+            # allocation per step: a fresh 2 MiB tensor per layer call cost page faults). One
+            # workspace serves every layer: the backend attends over the rows within the same
+            # layer call, and layers run one after another (per-layer buffers would cost
+            # layers x max_num_seqs x top_k rows: hundreds of MiB per layer at DeepSeek sizes).
+            # (The fused path attends inside its op: no workspace.)
+            self.gathered = torch.empty(0 if fused else max_rows * top_k, layout.row_dim,
+                                        dtype=layout.kv_dtype, device=self.device)
             if copy_implementation is None and native_host_tables(self.tables, self.device):
                 # The residency runs kvo's native library, so its C++ host copy is there too.
                 self.copy_implementation = "native"
@@ -173,9 +174,9 @@ class OffloadManager:
 
     @property
     def gather_buffer_bytes(self) -> int:
-        """Device bytes of all layers' decode-step gather buffers (``max_rows x top_k`` rows
-        each: the rows one step attends to, a workspace rather than KV)."""
-        return int(sum(g.numel() * g.element_size() for g in self.gathered))
+        """Device bytes of the decode-step gather workspace (``max_rows x top_k`` rows, shared
+        by the layers: the rows one layer's step attends to; a workspace rather than KV)."""
+        return int(self.gathered.numel() * self.gathered.element_size())
 
     @property
     def pool_region(self) -> tuple[int, int]:
@@ -249,6 +250,8 @@ class OffloadManager:
 
         ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
         ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
+        A plain decode step's rows live in a workspace every layer shares: attend to them
+        before the next ``gather`` call (the backend does, within the layer call).
         """
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
@@ -365,14 +368,15 @@ class OffloadManager:
         anything (main_kv's contract; attention masks them), so they are not zeroed."""
         requests, width = slots.shape
         rows = self._hot_row_ids(slots)
-        out = self._gather_out(layer, requests * width)
+        out = self._gather_out(requests * width)
         torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device), out=out)
         return out.view(requests, width, -1)
 
-    def _gather_out(self, layer: int, rows: int) -> torch.Tensor:
-        """Layer ``layer``'s gather buffer cut to ``rows`` rows (a fresh tensor if wider, which
-        a decode step never is: at most ``max_rows`` rows of ``top_k``)."""
-        buffer = self.gathered[layer]
+    def _gather_out(self, rows: int) -> torch.Tensor:
+        """The gather workspace cut to ``rows`` rows (a fresh tensor if wider, which a decode
+        step never is: at most ``max_rows`` rows of ``top_k``). The previous layer's rows in it
+        are dead by now: its attention ran in its own layer call."""
+        buffer = self.gathered
         if rows > buffer.shape[0]:
             return torch.empty(rows, buffer.shape[1], dtype=buffer.dtype, device=self.device)
         return buffer[:rows]
@@ -435,7 +439,7 @@ class OffloadManager:
         requests, width = slots.shape
         src, dst = self._miss_rows(result, blocks, requests)
         hot = self.hot[layer]
-        out = self._gather_out(layer, requests * width)
+        out = self._gather_out(requests * width)
         ops.sparse_copy_gather(self.pool_layer(layer), hot, torch.from_numpy(src),
                                torch.from_numpy(dst), torch.from_numpy(self._hot_row_ids(slots)),
                                out, implementation="native")
