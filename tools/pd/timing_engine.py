@@ -56,6 +56,11 @@ def _install_hooks() -> None:
     if getattr(DecodePuller._register, "kvo_timing", False):
         return
     register, collect = DecodePuller._register, DecodePuller.collect
+    start_step = DecodePuller.start_step
+
+    def _start_step(self: DecodePuller, metadata: Any) -> None:
+        _emit({"event": "step", "t": time.monotonic(), "idle": bool(metadata.idle)})
+        start_step(self, metadata)
 
     def _register(self: DecodePuller, target: Any) -> None:
         _emit({"event": "register", "t": time.monotonic(), "request": target.request_id,
@@ -64,6 +69,7 @@ def _install_hooks() -> None:
 
     def _collect(self: DecodePuller) -> tuple[set[str], set[int]]:
         done, invalid = collect(self)
+        _emit({"event": "collected", "t": time.monotonic(), "count": len(done)})
         if done:
             _emit({"event": "reported", "t": time.monotonic(), "requests": sorted(done)})
         return done, invalid
@@ -71,6 +77,7 @@ def _install_hooks() -> None:
     _register.kvo_timing = True  # type: ignore[attr-defined]
     DecodePuller._register = _register  # type: ignore[method-assign]
     DecodePuller.collect = _collect  # type: ignore[method-assign]
+    DecodePuller.start_step = _start_step  # type: ignore[method-assign]
 
 
 def wrap(engine: TransferEngine, layers: Sequence[Any], *, out_file: str) -> TimingEngine:

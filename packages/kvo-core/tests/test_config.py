@@ -114,6 +114,10 @@ INVALID: list[tuple[type[Any], dict[str, Any], tuple[str, ...]]] = [
      ("memfabric_transfer_protocol", "'roce'", "sdma, device_rdma, device_urma")),
     (RemoteD2HConfig, {"kv_port": 1, "mooncake_protocol": "ib"},
      ("mooncake_protocol", "'ib'", "tcp, rdma")),
+    (RemoteD2HConfig, {"kv_port": 1, "gil_switch_interval_s": 0},
+     ("gil_switch_interval_s", "0.0", "(0, 0.1]")),
+    (RemoteD2HConfig, {"kv_port": 1, "gil_switch_interval_s": 1.5},
+     ("gil_switch_interval_s", "1.5", "(0, 0.1]")),
 ]
 
 

@@ -143,6 +143,17 @@ _positive_float = Described("a finite number of seconds > 0", _check_positive_fl
 _optional_tcp_url = Described("null or tcp://host:port", _check_optional_tcp_url)
 _str = Described("a string", _check_str)
 _non_negative_float = Described("a finite number of seconds >= 0", _check_non_negative_float)
+
+
+def _check_optional_switch_interval(instance: Any, attribute: attrs.Attribute[Any],
+                                    value: Any) -> None:
+    if value is not None and (not isinstance(value, float) or not 0 < value <= 0.1):
+        raise ConfigError(f"{attribute.name} must be null or a number of seconds in (0, 0.1], "
+                          f"got {value!r}")
+
+
+_optional_switch_interval = Described("null or a number of seconds in (0, 0.1]",
+                                      _check_optional_switch_interval)
 _non_empty_str = Described("a non-empty string", _check_non_empty_str)
 _optional_non_empty_str = Described("null or a non-empty string", _check_optional_non_empty_str)
 
@@ -354,6 +365,9 @@ class RemoteD2HConfig:
     ``control_secret`` authenticates every control frame (HMAC-SHA256, kvo_transport.frame_auth);
     when absent, the ``KVO_CONTROL_SECRET`` environment variable is used; with neither, the
     control socket is refused on a non-loopback ``local_hostname``. It is kept out of ``repr``.
+    ``gil_switch_interval_s`` shortens the worker process's GIL switch interval so that the
+    hand-off threads run while vLLM's forward holds the GIL (kvo_vllm.remote_d2h.switch_interval;
+    null leaves the interpreter's own, 5 ms by default).
     """
 
     kv_port: int = attrs.field(validator=_int_in(1, 65535))
@@ -376,6 +390,8 @@ class RemoteD2HConfig:
     local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     control_secret: str | None = attrs.field(default=None, repr=False,
                                              validator=_optional_secret)
+    gil_switch_interval_s: float | None = attrs.field(
+        default=0.0005, converter=_to_float, validator=_optional_switch_interval)
 
     def __attrs_post_init__(self) -> None:
         if self.transfer_backend == "memfabric":

@@ -69,6 +69,7 @@ from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_desti
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
 from kvo_vllm.remote_d2h.stats_file import StatsFile
+from kvo_vllm.remote_d2h.switch_interval import shorten_switch_interval
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -135,6 +136,7 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
             parallel = vllm_config.parallel_config
             tp_rank = get_tensor_model_parallel_rank()
             tp_size = parallel.tensor_parallel_size
+            shorten_switch_interval(self.options.config.gil_switch_interval_s)
             if self.is_producer:
                 self.sender = PrefillSender(config=self.options.config, tp_rank=tp_rank,
                                             tp_size=tp_size, instance_id=str(transfer.engine_id),
