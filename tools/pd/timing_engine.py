@@ -8,8 +8,9 @@ and this module appends one JSON line per event to ``out_file``, stamped with
 ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the host, so the proxy's
 and the client's stamps line up with these): ``register`` (the step that made a request's
 blocks the destination and sent DecodeReady), ``read`` (start and end of each engine read into
-the KV layers), ``reported`` (the step that told vLLM a request's pull is over). Production code
-never imports this module.
+the KV layers), ``reported`` (the step that told vLLM a request's pull is over), ``step`` and
+``collected`` (each worker step's start, idle or not, and the end of its ``collect``).
+Production code never imports this module.
 """
 
 from __future__ import annotations
