@@ -35,8 +35,8 @@ def test_null_leaves_the_interpreter_alone() -> None:
     assert shorten_switch_interval(None) == pytest.approx(0.005)
 
 
-def test_the_config_default_shortens_and_null_is_accepted() -> None:
-    assert RemoteD2HConfig(kv_port=1).gil_switch_interval_s == pytest.approx(0.0005)
+def test_the_config_default_leaves_the_interpreter_alone_and_a_value_is_accepted() -> None:
+    assert RemoteD2HConfig(kv_port=1).gil_switch_interval_s is None
     config = RemoteD2HConfig.from_extra_config({"kv_port": 1, "gil_switch_interval_s": None})
     assert config.gil_switch_interval_s is None
     assert RemoteD2HConfig.from_extra_config(

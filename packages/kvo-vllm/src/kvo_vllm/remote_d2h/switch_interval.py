@@ -8,10 +8,11 @@ its idle step loop are mostly Python. So every wake-up on the layer round trip c
 5 ms. Measured with ``tools/bench/_pd_timeline.py`` (128-token prompts, two runs on 2 cores
 shared with other work, load ~10-15): the decode's read of a layer started a median 9.1 ms after
 the prefill published it with the default interval, 1.0 ms with 0.5 ms, and the prefill's
-forward waited a median 2.1 vs 1.3 ms per layer on its slot gates. End to end the gain is not
-shown yet (tools/bench/_pd_switch_ab.py, paired, loaded machine: 0.81x TTFT at 1024 tokens in
-one run, 1.0x-1.36x at 128 and 1.03x at 4096 in runs at load 15-30). The interval is
-process-wide: it is only ever shortened here, never lengthened past what the process uses.
+forward waited a median 2.1 vs 1.3 ms per layer on its slot gates. End to end it did not pay
+(tools/bench/_pd_switch_ab.py, paired, 8 rounds): on a quiet host (load ~3) TTFT B/A 0.99 at
+128 tokens and 1.02 at 1024; loaded, 0.81x at 1024 in one run, 1.0-1.36x at 128 in others. So it
+is opt-in (``gil_switch_interval_s``, default null). The interval is process-wide: it is only
+ever shortened here, never lengthened past what the process uses.
 """
 
 from __future__ import annotations
