@@ -188,3 +188,12 @@ def test_hadamard_quant_int8_zero_row_and_bad_input() -> None:
 def test_primitives_name_the_bad_argument(call, named: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(KernelArgumentError, match=named):
         call()
+
+
+def test_nan_ties_with_minus_inf_and_plus_inf_stays_best() -> None:
+    """A NaN counts as -inf (documented), so it ties with a real -inf and the lower index wins;
+    +inf and -inf keep their values (torch.nan_to_num alone would turn them into the largest
+    and smallest finite floats, ranking a real -inf above every NaN)."""
+    scores = torch.tensor([[1.0, -math.inf, math.nan, math.inf, -math.inf, 2.0]])
+    got = topk_indices(scores, 6, torch.tensor([6])).tolist()
+    assert got == [[3, 5, 0, 1, 2, 4]]

@@ -50,7 +50,7 @@ def topk_indices(scores: torch.Tensor, k: int, valid_lengths: torch.Tensor) -> t
     rows, tokens = scores.shape
     check.index_range("valid_lengths", valid_lengths, 0, tokens + 1)
     lengths = valid_lengths.to(torch.int64)
-    ranked = torch.nan_to_num(scores.float(), nan=-math.inf)
+    ranked = torch.nan_to_num(scores.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if k > tokens:  # pad so that a k larger than the key count still yields [T, k]
         ranked = torch.nn.functional.pad(ranked, (0, k - tokens), value=-math.inf)
     positions = torch.arange(ranked.shape[1], device=scores.device)
