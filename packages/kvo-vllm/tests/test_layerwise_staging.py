@@ -1,7 +1,7 @@
 """Staged layer saves: the slot is free after a host copy, the put follows the forward.
 
 Same rig as test_layerwise_worker (an in-memory store stands in for Mooncake in this unit
-test of kvo's own logic; tests/e2e runs the real store with staging on by default).
+test of kvo's own logic; staging is opt-in and the e2e tests run with it off).
 """
 
 from __future__ import annotations
