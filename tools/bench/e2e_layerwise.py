@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector_extra_config": {
                 "store_master_address": master.address,
                 "store_segment_bytes": STORE_SEGMENT_BYTES,
-                "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1,
-                "save_staging_bytes": 64 * 1024 * 1024}}
+                # save staging on: its default, 64 MiB
+                "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
         names = "plain, layerwise" + ("" if args.no_peer else " and MooncakeStoreConnector")
         print(f"starting the {names} engines ...", flush=True)
         engines = [Engine("plain", model, max_len, None),

@@ -1,7 +1,7 @@
 """Staged layer saves: the slot is free after a host copy, the put follows the forward.
 
 Same rig as test_layerwise_worker (an in-memory store stands in for Mooncake in this unit
-test of kvo's own logic; staging is opt-in and the e2e tests run with it off).
+test of kvo's own logic; the e2e layerwise tests run staging in vLLM, it is on by default).
 """
 
 from __future__ import annotations
@@ -133,3 +133,29 @@ def test_a_lookup_in_the_same_process_sees_the_staged_blocks(staged) -> None:
     forward(worker, caches, step_meta(save=[(1, "h/x")]), {1: 1.0})
     PENDING_PUTS.wait(store, 5.0)  # what the scheduler half's prefix lookup does first
     assert store.exists([KEYS.key("h/x", i) for i in range(6)]) == [True] * 6
+
+
+def test_a_running_put_is_pending_until_it_is_counted(staged) -> None:
+    worker, store, caches = staged
+    store.gate = threading.Event()
+    assert not worker.staged_put_pending()  # no put yet
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 3.0})
+    assert worker.staged_put_pending() and worker.stats.saved_bytes == 0
+    store.gate.set()
+    PENDING_PUTS.wait(store, 5.0)
+    # Once not pending, the counters already hold the put's bytes (the order the connector
+    # relies on: ask first, then read the counters).
+    assert not worker.staged_put_pending()
+    assert worker.stats.saved_bytes == 6 * PAGE
+
+
+def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(staged, caplog) -> None:
+    worker, store, caches = staged
+    store.gate = threading.Event()
+    worker.layer_deadline_s = 0.05
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 3.0})
+    worker._flush_started -= 1.0  # the put has now run for more than 2 x 0.05 s
+    assert not worker.staged_put_pending()
+    assert "staged put has run for more than 0.1 s" in caplog.text
+    store.gate.set()
+    PENDING_PUTS.wait(store, 5.0)

@@ -288,11 +288,10 @@ class LayerwiseOffloadConfig:
     local_hostname: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     layer_deadline_s: float = attrs.field(default=60.0, converter=_to_float,
                                           validator=_positive_float)
-    save_staging_bytes: int = attrs.field(default=0, validator=_int_in(0))
-    """Host area a layer's save is copied into so its buffer is free at once; the store put
-    runs after the forward. 0 (the default): put straight from the device buffer. A layer that
-    does not fit is saved that way too. Opt-in: the batched put ends after its step's stats were
-    taken, so /metrics counts its bytes only with the next step's."""
+    save_staging_bytes: int = attrs.field(default=64 * 2**20, validator=_int_in(0))
+    """Host area (registered memory, default 64 MiB) a layer's save is copied into so its
+    buffer is free at once; the store put runs after the forward. 0: put straight from the
+    device buffer, as a layer that does not fit is."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *,

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -47,6 +48,7 @@ from kvo_vllm.dsa.offload_metrics import connector_stats
 from kvo_vllm.layerwise.keys import StoreKeys, namespace_for
 from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
+from kvo_vllm.layerwise.put_progress import PendingPutsTracker, StagedPutsPending
 from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
 from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.store_client import (
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -128,6 +131,8 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
         self._metric_deltas = CounterDeltas()
+        self._put_pending_at_stats = False
+        self._puts = PendingPutsTracker()
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -214,7 +219,16 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> Any:
         if self._worker is None:
             return None
+        # Asked before the counters are read: "not pending" means they include the put.
+        self._put_pending_at_stats = self._worker.staged_put_pending()
         return connector_stats(self._metric_deltas.take(self._worker.stats.metric_counters()))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """With staging: whether this step's counters still miss a running put
+        (``put_progress``)."""
+        if self._worker is None or self._worker.staging is None:
+            return None
+        return StagedPutsPending(pending=self._put_pending_at_stats)
 
 
     # ==== scheduler side =================================================================
@@ -271,4 +285,11 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.request_finished(request.request_id)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._puts.update(connector_output.kv_connector_worker_meta)
+
+    def has_pending_push_work(self) -> bool:
+        """True while a worker's staged put is not yet in its counters (``put_progress``)."""
+        return self._puts.pending
 

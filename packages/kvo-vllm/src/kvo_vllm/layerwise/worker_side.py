@@ -197,6 +197,8 @@ class LayerwiseWorker:
         self._save_futures: list[Future[None]] = []
         self._staged = StagedBatch()
         self._flush: Future[bool] | None = None
+        self._flush_started = 0.0
+        self._flush_overdue_logged = False
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -293,10 +295,28 @@ class LayerwiseWorker:
         if self._staged.keys:
             batch, self._staged = self._staged, StagedBatch()
             self._flush = self._saver.submit(self._put_staged, batch)
+            self._flush_started = time.monotonic()
+            self._flush_overdue_logged = False
             PENDING_PUTS.add(self.store, self._flush)
         if self._step_poisoned:
             self._step_poisoned = False
             self._remove_poisoned_now()
+
+    def staged_put_pending(self) -> bool:
+        """Whether the last step's batched put is still running (``put_progress``). A put
+        running past ``2 x layer_deadline_s`` counts as not pending (logged once): an idle
+        engine must not spin on a hung store; the next step with work raises on it."""
+        flush = self._flush
+        if flush is None or flush.done():
+            return False
+        if time.monotonic() - self._flush_started <= 2 * self.layer_deadline_s:
+            return True
+        if not self._flush_overdue_logged:
+            self._flush_overdue_logged = True
+            logger.warning("kvo layerwise: a staged put has run for more than %g s (store "
+                           "hung?); /metrics will count its bytes late",
+                           2 * self.layer_deadline_s)
+        return False
 
     def wait_staged_puts(self) -> None:
         """Wait until the last step's staged blocks are in the store (or their keys are

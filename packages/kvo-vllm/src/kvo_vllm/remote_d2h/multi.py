@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from kvo_core.errors import ConfigError
@@ -267,6 +268,10 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
             total.aggregate(part)
         return total
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The layerwise half's (RemoteD2H sends none)."""
+        return self.layerwise.build_connector_worker_meta()
+
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -305,6 +310,9 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for connector in self._completion_first:
             connector.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return any(connector.has_pending_push_work() for connector in self._completion_first)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
