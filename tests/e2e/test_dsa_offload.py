@@ -143,8 +143,8 @@ class Runs:
     miss_probe: tuple[list[int], list[float]]
     hit_probe: tuple[list[int], list[float]]
     probe_misses: list[int]            # layer-0 misses of the probe steps: (miss, hit) probe
-    copied_bytes: int                  # measured at kvo::sparse_copy(_gather) (main run)
-    one_pass_calls: int                # calls of kvo::sparse_copy_gather (main run)
+    copied_bytes: int                  # measured at kvo::sparse_copy / copy_residency_misses
+    one_pass_calls: int                # calls of copy_residency_misses (main run)
     misses: int                        # the main run's misses
     stats: Any                         # the offload worker's OffloadStats
     row_bytes: int
@@ -216,18 +216,22 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
             copy(src, dst, src_rows, dst_rows, **kwargs)
 
-        copy_gather = offload_manager.ops.sparse_copy_gather
+        copy_misses = offload_manager.copy_residency_misses_host
         one_pass = [0]
 
-        def measured_one_pass(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
-                              dst_rows: torch.Tensor, gather_rows: torch.Tensor,
-                              out: torch.Tensor, **kwargs: Any) -> None:
-            copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
+        def measured_one_pass(pool: torch.Tensor, hot: torch.Tensor, block_table: torch.Tensor,
+                              miss_counts: torch.Tensor, miss_tokens: torch.Tensor,
+                              miss_slots: torch.Tensor, *, rows: int, **kwargs: Any) -> int:
+            listed = int(miss_counts[:rows].sum())
+            copied[0] += listed * hot.shape[1] * hot.element_size()
             one_pass[0] += 1
-            copy_gather(src, dst, src_rows, dst_rows, gather_rows, out, **kwargs)
+            done = copy_misses(pool, hot, block_table, miss_counts, miss_tokens, miss_slots,
+                               rows=rows, **kwargs)
+            assert done == listed
+            return done
 
         mp.setattr(offload_manager.ops, "sparse_copy", measured)
-        mp.setattr(offload_manager.ops, "sparse_copy_gather", measured_one_pass)
+        mp.setattr(offload_manager, "copy_residency_misses_host", measured_one_pass)
         llm = _engine(dsv32_model, "offload")
         preempted = _count_preemptions(llm, mp)
         offload = _generate(llm, PROMPTS, MAX_TOKENS)
@@ -276,7 +280,7 @@ def test_offload_really_offloads(runs: Runs) -> None:
     assert decode_calls and totals.misses > 0 and totals.hits > 0
     assert any(s.pool_rows for s in runs.stats.history)   # prefill chunks read the pool
     # Every byte moved host -> device went through kvo::sparse_copy or (the one-token decode
-    # steps, native residency by default) kvo::sparse_copy_gather, one row per miss.
+    # steps, native residency by default) copy_residency_misses, one row per miss.
     assert runs.copied_bytes == runs.misses * runs.row_bytes
     assert runs.one_pass_calls > 0
     assert all(s.h2d_bytes == s.misses * runs.row_bytes for s in runs.stats.history)

@@ -11,7 +11,7 @@ import torch
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_kernels.reference.primitives import sparse_mla_attention
-from kvo_vllm.dsa.backend import attend_rows
+from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows, attend_selected
 from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, make_main_kv_access
 
 BLOCK, LATENT, ROPE = 4, 8, 4
@@ -68,6 +68,26 @@ def test_attention_over_gathered_rows_is_the_reference() -> None:
                                 torch.tensor([[0, 1]]), 0.3)
     torch.testing.assert_close(got[:1], want)
     assert torch.equal(got[1], torch.zeros(2, LATENT))  # nothing selected: zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_hot_slots_is_the_same_bits_as_over_gathered_rows(
+        dtype: torch.dtype) -> None:
+    """The offload decode step hands attention a hot buffer and slots instead of a gathered
+    copy: the same rows in the same order, so identical output (not merely close)."""
+    generator = torch.Generator().manual_seed(1)
+    hot = torch.randn(12, WIDTH, generator=generator).to(dtype)
+    slots = torch.tensor([[7, 2, -1, 11], [-1, -1, -1, -1], [0, 0, 5, 3]])
+    query = torch.randn(3, 2, LATENT, generator=generator).to(dtype)
+    query_rope = torch.randn(3, 2, ROPE, generator=generator).to(dtype)
+    selected = SelectedRows(rows=hot, valid=slots >= 0, slots=slots)
+    rows, valid = selected.materialized()
+    assert torch.equal(rows[slots >= 0], hot[slots[slots >= 0]])
+    got = attend_selected(query, query_rope, selected, LATENT, 0.3)
+    want = attend_rows(query, query_rope, rows, valid, LATENT, 0.3)
+    assert torch.equal(got, want)
+    assert torch.equal(attend_selected(query, query_rope, SelectedRows(rows=rows, valid=valid),
+                                       LATENT, 0.3), want)
 
 
 def test_make_main_kv_access_follows_the_mode() -> None:

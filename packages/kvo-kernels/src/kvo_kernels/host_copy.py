@@ -48,3 +48,27 @@ def sparse_copy_gather_host(src: torch.Tensor, dst: torch.Tensor, src_rows: torc
         reference.check_sparse_copy_gather_args(src, dst, src_rows, dst_rows, gather_rows,
                                                 out)
         raise KernelArgumentError(f"sparse_copy_gather (host op): {error}") from None
+
+
+def copy_residency_misses_host(pool: torch.Tensor, hot: torch.Tensor, block_table: torch.Tensor,
+                               miss_counts: torch.Tensor, miss_tokens: torch.Tensor,
+                               miss_slots: torch.Tensor, *, rows: int, block_size: int,
+                               capacity: int) -> int:
+    """A residency update's miss copies, pool -> hot buffer, told straight from its result.
+
+    For batch row ``r < rows`` and ``i < miss_counts[r]``: request-local token
+    ``t = miss_tokens[r, i]`` is read from pool row ``block_table[r, t // block_size] *
+    block_size + t % block_size`` and written to hot row ``r * capacity + miss_slots[r, i]``
+    (what ``sparse_copy`` does once those index arrays are built; building them in Python
+    cost more than the copies on the decode path). Returns the rows copied; a refused call
+    (an index out of range, a hot row named twice) writes nothing and raises
+    ``KernelArgumentError``.
+    """
+    module = load_native_ops()
+    try:
+        copied: int = module.copy_residency_misses(pool, hot, block_table, miss_counts,
+                                                   miss_tokens, miss_slots, rows, block_size,
+                                                   capacity)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise KernelArgumentError(f"copy_residency_misses (host op): {error}") from None
+    return copied

@@ -510,4 +510,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_copy_gather", &kvo_copy::sparse_copy_gather_cpu,
         "kvo::sparse_copy_gather's host implementation (csrc/sparse_copy.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("copy_residency_misses", &kvo_copy::copy_residency_misses_cpu,
+        "a residency update's miss copies, pool -> hot buffer (csrc/sparse_copy.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,6 +1,8 @@
 // kvo::sparse_copy on the host: the offload path's miss copies (pool rows -> hot-buffer rows),
-// and kvo::sparse_copy_gather: those copies and the decode step's gather of the selected
-// hot-buffer rows for attention in one pass.
+// kvo::sparse_copy_gather: those copies and the decode step's gather of the selected
+// hot-buffer rows for attention in one pass, and copy_residency_misses: the copies told
+// straight from a residency update's result and vLLM's block table (no index arrays built in
+// Python first).
 //
 // The reference implementation checks its indices with several PyTorch ops (bounds, a
 // torch.unique of the destinations) and copies through advanced indexing: on this path that
@@ -76,7 +78,101 @@ bool overlaps(std::pair<const char*, const char*> a, std::pair<const char*, cons
   return a.first < b.second && b.first < a.second;
 }
 
+// Element [r][c] of a CPU int32/int64 index tensor as int64 (rows `stride` elements apart).
+class IndexMatrix {
+ public:
+  IndexMatrix(const at::Tensor& t, const char* name, int64_t dims, int64_t min_rows)
+      : tensor_(t.contiguous()) {
+    const char* op = "copy_residency_misses";
+    TORCH_CHECK_VALUE(t.device().is_cpu(), op, " (host): ", name, " must be a CPU tensor, got ",
+                      t.device());
+    TORCH_CHECK_VALUE(t.dim() == dims, op, ": ", name, " must be ", dims, "-D, got shape ",
+                      t.sizes());
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ",
+                      name, " must be int32 or int64, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.size(0) >= min_rows, op, ": ", name, " has ", t.size(0),
+                      " rows, the call names ", min_rows);
+    wide_ = tensor_.scalar_type() == at::kLong;
+    data_ = tensor_.data_ptr();
+    width_ = dims == 2 ? tensor_.size(1) : 1;
+  }
+  int64_t at(int64_t r, int64_t c = 0) const {
+    const int64_t i = r * width_ + c;
+    return wide_ ? static_cast<const int64_t*>(data_)[i]
+                 : static_cast<int64_t>(static_cast<const int32_t*>(data_)[i]);
+  }
+  int64_t width() const { return width_; }
+
+ private:
+  at::Tensor tensor_;
+  const void* data_ = nullptr;
+  bool wide_ = true;
+  int64_t width_ = 1;
+};
+
 }  // namespace
+
+int64_t copy_residency_misses_cpu(const at::Tensor& pool, at::Tensor hot,
+                                  const at::Tensor& block_table, const at::Tensor& miss_counts,
+                                  const at::Tensor& miss_tokens, const at::Tensor& miss_slots,
+                                  int64_t rows, int64_t block_size, int64_t capacity) {
+  const char* op = "copy_residency_misses";
+  check_rows_layout(pool, "pool", op);
+  check_rows_layout(hot, "hot", op);
+  TORCH_CHECK_VALUE(pool.scalar_type() == hot.scalar_type(), op, ": hot dtype ",
+                    hot.scalar_type(), " differs from pool dtype ", pool.scalar_type());
+  TORCH_CHECK_VALUE(pool.sizes().slice(1) == hot.sizes().slice(1), op,
+                    ": hot row shape differs from pool row shape");
+  TORCH_CHECK_VALUE(rows >= 0 && block_size >= 1 && capacity >= 1, op, ": rows (", rows,
+                    ") must be >= 0, block_size (", block_size, ") and capacity (", capacity,
+                    ") >= 1");
+  TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
+                    capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
+  const IndexMatrix table(block_table, "block_table", 2, rows);
+  const IndexMatrix counts(miss_counts, "miss_counts", 1, rows);
+  const IndexMatrix tokens(miss_tokens, "miss_tokens", 2, rows);
+  const IndexMatrix slots(miss_slots, "miss_slots", 2, rows);
+  TORCH_CHECK_VALUE(tokens.width() == slots.width(), op, ": miss_tokens has ", tokens.width(),
+                    " columns, miss_slots ", slots.width());
+  const int64_t pool_rows = pool.size(0);
+  std::vector<std::pair<int64_t, int64_t>> copies;   // (pool row, hot row)
+  std::vector<uint8_t> written(static_cast<size_t>(rows * capacity), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = counts.at(r);
+    TORCH_CHECK_VALUE(count >= 0 && count <= tokens.width(), op, ": miss_counts[", r, "] = ",
+                      count, " is outside [0, ", tokens.width(), "]");
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t token = tokens.at(r, i);
+      const int64_t slot = slots.at(r, i);
+      TORCH_CHECK_INDEX(token >= 0 && token / block_size < table.width(), op, ": miss_tokens[",
+                        r, "][", i, "] = ", token, " is outside the block table's ",
+                        table.width() * block_size, " tokens");
+      const int64_t block = table.at(r, token / block_size);
+      const int64_t source = block * block_size + token % block_size;
+      TORCH_CHECK_INDEX(block >= 0 && source < pool_rows, op, ": token ", token, " of row ", r,
+                        " is in block ", block, ", outside the pool's ", pool_rows, " rows");
+      TORCH_CHECK_INDEX(slot >= 0 && slot < capacity, op, ": miss_slots[", r, "][", i, "] = ",
+                        slot, " is outside [0, ", capacity, ")");
+      const int64_t target = r * capacity + slot;
+      TORCH_CHECK_VALUE(!written[static_cast<size_t>(target)], op, ": hot slot ", slot,
+                        " of row ", r, " is named twice");
+      written[static_cast<size_t>(target)] = 1;
+      copies.emplace_back(source, target);
+    }
+  }
+  if (copies.empty() || pool.numel() == 0) return static_cast<int64_t>(copies.size());
+  const int64_t item = static_cast<int64_t>(pool.element_size());
+  const int64_t row_bytes = (pool.numel() / pool_rows) * item;
+  const int64_t pool_stride = pool.stride(0) * item;
+  const int64_t hot_stride = hot.stride(0) * item;
+  const char* pool_base = static_cast<const char*>(pool.data_ptr());
+  char* hot_base = static_cast<char*>(hot.data_ptr());
+  for (const auto& [source, target] : copies) {
+    std::memcpy(hot_base + target * hot_stride, pool_base + source * pool_stride,
+                static_cast<size_t>(row_bytes));
+  }
+  return static_cast<int64_t>(copies.size());
+}
 
 void sparse_copy_cpu(const at::Tensor& src, at::Tensor dst, const at::Tensor& src_rows,
                      const at::Tensor& dst_rows) {

@@ -95,8 +95,10 @@ def sparse_mla_attention(query: torch.Tensor, query_rope: torch.Tensor, kv: torc
 
     valid = slots >= 0                                        # [T, K]
     safe = slots.clamp(min=0).to(torch.int64)
-    keys_latent = kv.float()[safe]                            # [T, K, Dl]
-    keys_rope = k_rope.float()[safe]                          # [T, K, Dr]
+    # Gathered, then widened: a cache larger than T x K rows (a hot buffer) is not converted
+    # whole; the values are the same either way.
+    keys_latent = kv[safe].float()                            # [T, K, Dl]
+    keys_rope = k_rope[safe].float()                          # [T, K, Dr]
     logits = (torch.einsum("tnd,tkd->tnk", query.float(), keys_latent)
               + torch.einsum("tnd,tkd->tnk", query_rope.float(), keys_rope)) * float(scale)
     logits = logits.masked_fill(~valid[:, None, :], -math.inf)

@@ -9,7 +9,7 @@ whole batch, and no dense prefill path exists.
 Per layer and step (the seam is documented in :mod:`kvo_vllm.dsa.main_kv`):
 ``do_kv_cache_update`` hands the new rows to the layer's :class:`MainKVAccess` strategy
 (``mode`` of kvo's sparse config), ``forward_mqa`` asks it for the selected rows ``[T, K, D]``
-and runs kvo-kernels' reference ``sparse_mla_attention`` over them (:func:`attend_rows`).
+and runs kvo-kernels' reference ``sparse_mla_attention`` over them (:func:`attend_selected`).
 Deterministic: the same batch gives the same bits (plain torch ops on the CPU).
 """
 
@@ -37,7 +37,7 @@ from kvo_vllm.dsa.main_kv import (
     FusedMainKVAccess,
     LayerInfo,
     MainKVAccess,
-    attend_rows,
+    attend_selected,
     make_main_kv_access,
 )
 from kvo_vllm.dsa.stats import COUNTERS
@@ -162,8 +162,8 @@ class KvoSparseMLAImpl(MLAAttentionImpl[KvoSparseMLAMetadata], SharedTopkIndices
                                          attn_metadata)
         else:
             selected = self._strategy().gather(kv_c_and_k_pe_cache, topk, attn_metadata)
-            output = attend_rows(query, query_rope, selected.rows, selected.valid,
-                                 self.kv_lora_rank, self.scale)
+            output = attend_selected(query, query_rope, selected, self.kv_lora_rank,
+                                     self.scale)
         COUNTERS.attention_calls += 1
         COUNTERS.attention_rows += tokens
         return output, None

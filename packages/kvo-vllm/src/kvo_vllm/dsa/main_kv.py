@@ -38,8 +38,21 @@ OFFLOAD_CLASS = "OffloadMainKV"
 
 @attrs.frozen(eq=False)
 class SelectedRows:
-    rows: torch.Tensor   # [T, K, D] in top-k order
+    """The rows each query token attends to. Either ``rows`` [T, K, D] in top-k order (with
+    ``slots`` None), or, with ``slots`` [T, K] given, ``rows`` is a cache [N, D] and token t's
+    k-th row is ``rows[slots[t, k]]`` (-1: none): the offload path's hot buffer, read by the
+    attention directly instead of being gathered into a copy first."""
+
+    rows: torch.Tensor
     valid: torch.Tensor  # [T, K] bool
+    slots: torch.Tensor | None = None
+
+    def materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [T, K, D] in top-k order, valid [T, K]); rows where ``valid`` is False may
+        hold anything."""
+        if self.slots is None:
+            return self.rows, self.valid
+        return self.rows[self.slots.clamp(min=0)], self.valid
 
 
 @attrs.frozen
@@ -97,6 +110,18 @@ def attend_rows(query: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tenso
     slots = torch.where(valid, slots, torch.full_like(slots, -1))
     return sparse_mla_attention(query, query_rope, flat[:, :kv_lora_rank],
                                 flat[:, kv_lora_rank:], slots, scale)
+
+
+def attend_selected(query: torch.Tensor, query_rope: torch.Tensor, selected: SelectedRows,
+                    kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """:func:`attend_rows` over either form of :class:`SelectedRows`: the attention reads the
+    same rows in the same order, so the output is the same bits."""
+    if selected.slots is None:
+        return attend_rows(query, query_rope, selected.rows, selected.valid, kv_lora_rank,
+                           scale)
+    cache = selected.rows
+    return sparse_mla_attention(query, query_rope, cache[:, :kv_lora_rank],
+                                cache[:, kv_lora_rank:], selected.slots, scale)
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:

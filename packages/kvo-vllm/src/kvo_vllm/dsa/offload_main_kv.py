@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.config import decode_query_rows, uses_fused_ops
 from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
 from kvo_vllm.dsa.offload_fused import IndexerInputs
-from kvo_vllm.dsa.offload_manager import OffloadManager
+from kvo_vllm.dsa.offload_manager import OffloadManager, StepInputs
 from kvo_vllm.dsa.offload_stats import OffloadStats
 from kvo_vllm.sparse.layout import SparseModelLayout
 
@@ -44,6 +44,9 @@ class OffloadWorker:
         self.layer_names: list[str] = []
         self._layers: list[LayerInfo] = []
         self.manager: OffloadManager | None = None
+        self._step_metadata: Callable[[], Any] = lambda: None
+        self._step_tokens = 0
+        self._step: StepInputs | None = None
         self.stats = OffloadStats(
             log_every=_env_int(LOG_EVERY_ENV, 100),
             history_limit=_env_int(HISTORY_ENV, DEFAULT_HISTORY))
@@ -93,6 +96,19 @@ class OffloadWorker:
             copy_implementation="reference" if config.kernel_backend == "reference" else None,
             device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config))
         return self.manager
+
+    def step_inputs(self, manager: OffloadManager, metadata: Any) -> tuple[int, StepInputs]:
+        """(the step's query tokens, :meth:`OffloadManager.step_inputs`), computed at the
+        step's first layer and reused by the others (they share vLLM's metadata object)."""
+        if self._step_metadata() is not metadata:
+            requests = int(metadata.num_reqs)
+            self._step_tokens = int(metadata.query_start_loc[requests])
+            self._step = manager.step_inputs(metadata.query_start_loc[:requests + 1],
+                                             metadata.seq_lens[:requests],
+                                             metadata.block_table[:requests])
+            self._step_metadata = weakref.ref(metadata)
+        assert self._step is not None
+        return self._step_tokens, self._step
 
     def matches(self, vllm_config: Any) -> bool:
         return self._config_ref() is vllm_config
@@ -178,16 +194,20 @@ class OffloadMainKV:
 
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
-        requests = int(metadata.num_reqs)
-        tokens = int(metadata.query_start_loc[requests])
-        rows, valid = manager.gather(
-            self.index, topk[:tokens], metadata.query_start_loc[:requests + 1],
-            metadata.seq_lens[:requests], metadata.block_table[:requests])
+        tokens, step = self.worker.step_inputs(manager, metadata)
+        selected = manager.gather_selected(
+            self.index, topk[:tokens], step.query_start_loc, step.seq_lens, step.blocks, step)
         if tokens < topk.shape[0]:  # padded tokens: no rows
             pad = topk.shape[0] - tokens
+            valid = torch.cat([selected.valid, selected.valid.new_zeros(pad, topk.shape[1])])
+            if selected.slots is not None:
+                slots = torch.cat([selected.slots,
+                                   selected.slots.new_full((pad, topk.shape[1]), -1)])
+                return SelectedRows(rows=selected.rows, valid=valid, slots=slots)
+            rows = selected.rows
             rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
-            valid = torch.cat([valid, valid.new_zeros(pad, valid.shape[1])])
-        return SelectedRows(rows=rows, valid=valid)
+            return SelectedRows(rows=rows, valid=valid)
+        return selected
 
     def attend(self, kv_cache: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, metadata: Any, indexer: IndexerInputs,

@@ -19,8 +19,9 @@ Per layer call:
    request's residency row (shared by its query rows), the table returns hits/misses/slots,
    only the misses are copied pool -> hot buffer (``kvo::sparse_copy``), and each query row's
    rows come from the hot buffer through its remapped slots. With kvo's C++ host ops loaded
-   (CPU, native residency) a step whose rows all decode one token does the copies and that
-   gather in one pass (``kvo::sparse_copy_gather``: each miss read from the pool once).
+   (CPU, native residency) a step whose rows all decode one token copies its misses straight
+   from the update's result (``copy_residency_misses``) and hands attention the hot buffer
+   with each token's hot rows (``SelectedRows.slots``): no gathered copy of the rows.
    Longer queries (prefill chunks) read their rows straight from the pool: their top-k union
    would not fit a hot row, and they write most of what they read in the same call.
 
@@ -48,13 +49,15 @@ import time
 from collections.abc import Iterable
 from typing import TypeAlias
 
+import attrs
 import numpy as np
 import torch
 
 from kvo_core.errors import ConfigError
 from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
-from kvo_vllm.dsa.main_kv import attend_rows
+from kvo_kernels.host_copy import copy_residency_misses_host
+from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
 from kvo_vllm.dsa.offload_identity import RowIdentity
@@ -71,6 +74,16 @@ def _positive(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """vLLM's step metadata as the manager reads it (int64 CPU), the same for every layer."""
+
+    query_start_loc: torch.Tensor   # [R + 1]
+    seq_lens: torch.Tensor          # [R]
+    blocks: torch.Tensor            # [R, blocks] (the block table's first R rows)
+    plain_lens: np.ndarray | None   # seq_lens as NumPy if a plain decode step, else None
 
 
 class OffloadManager:
@@ -250,28 +263,40 @@ class OffloadManager:
 
         ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
         ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
-        A plain decode step's rows live in a workspace every layer shares: attend to them
-        before the next ``gather`` call (the backend does, within the layer call).
+        A plain decode step's rows may live in a workspace every layer shares: attend to them
+        before the next ``gather`` call. (:meth:`gather_selected`, materialised.)
         """
+        return self.gather_selected(layer, topk, query_start_loc, seq_lens,
+                                    block_table).materialized()
+
+    def gather_selected(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        step: StepInputs | None = None) -> SelectedRows:
+        """As :meth:`gather`; a plain decode step with kvo's C++ host ops answers with the
+        layer's hot buffer and each token's hot rows (``SelectedRows.slots``): attention reads
+        them there, valid until the layer's next call. ``step``: :meth:`step_inputs` of the
+        same three tensors, when the caller keeps them for the step's layers."""
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
+        if step is None:
+            step = self.step_inputs(query_start_loc, seq_lens, block_table)
         topk = topk.cpu()
-        lens = self._plain_decode_lens(layer, topk, query_start_loc, seq_lens)
-        if lens is not None:
-            return self._gather_decode_step(layer, topk, lens, block_table)
+        if (step.plain_lens is not None and topk.shape[0] == step.plain_lens.shape[0]
+                and not self.identity_rows[layer].any_held):
+            return self._gather_decode_step(layer, topk, step.plain_lens, step.blocks)
         topk = topk.to(_I64)
-        qsl = query_start_loc.cpu().to(_I64)
-        seq_lens = seq_lens.cpu().to(_I64)
+        qsl, seq_lens, blocks = step.query_start_loc, step.seq_lens, step.blocks
         count, width = topk.shape
         requests = int(seq_lens.shape[0])
         bs = self.block_size
         query_lens = qsl[1:requests + 1] - qsl[:requests]
-        blocks = block_table[:requests].cpu().to(_I64)
         if self._identity_in_play(layer, seq_lens):
             if count == requests and int(seq_lens.max()) <= self.capacity and bool(
                     (query_lens == 1).all()):
-                return self._gather_identity_step(layer, topk, seq_lens, query_lens, blocks)
-            return self._gather_with_identity(layer, topk, qsl, seq_lens, query_lens, blocks)
+                return SelectedRows(*self._gather_identity_step(layer, topk, seq_lens,
+                                                                query_lens, blocks))
+            return SelectedRows(*self._gather_with_identity(layer, topk, qsl, seq_lens,
+                                                            query_lens, blocks))
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
@@ -310,47 +335,56 @@ class OffloadManager:
             selected=selected, hits=hits, misses=misses, h2d_bytes=misses * self.row_bytes,
             full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
             pool_rows_used=int(seq_lens.sum()), residency_seconds=residency_seconds))
-        return out, valid.to(self.device)
+        return SelectedRows(rows=out, valid=valid.to(self.device))
 
-    def _plain_decode_lens(self, layer: int, topk: torch.Tensor,
-                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor
-                           ) -> np.ndarray | None:
-        """The sequence lengths (int64 NumPy) if this call is a plain decode step: every batch
-        row decodes one token and none is, or leaves, NOT_OFFLOADED (most decode steps of
-        long requests); else None. Told in NumPy: a PyTorch op's dispatch costs more than
-        these compares of a few values."""
-        lens = seq_lens.cpu().numpy()
+    def step_inputs(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor) -> StepInputs:
+        """What every layer of a step reads from vLLM's metadata, converted once (a small op
+        here costs tens of microseconds: it ran once per layer)."""
+        qsl = query_start_loc.cpu().to(_I64)
+        lens = seq_lens.cpu().to(_I64)
         requests = int(lens.shape[0])
-        if (not requests or topk.shape[0] != requests or self.identity_rows[layer].any_held
-                or int(lens.min()) <= self.capacity):
-            return None
-        qsl = query_start_loc.cpu().numpy()
-        if not (qsl[1:requests + 1] - qsl[:requests] == 1).all():
-            return None
-        plain: np.ndarray = lens.astype(np.int64)
-        return plain
+        blocks = block_table[:requests].cpu().to(_I64)
+        lens_np = lens.numpy()
+        plain: np.ndarray | None = None
+        # A plain decode step: every batch row decodes one token and none fits its hot row
+        # (none is, or leaves, NOT_OFFLOADED: most decode steps of long requests).
+        if requests and int(lens_np.min()) > self.capacity:
+            qsl_np = qsl.numpy()
+            if (qsl_np[1:requests + 1] - qsl_np[:requests] == 1).all():
+                plain = lens_np
+        return StepInputs(query_start_loc=qsl, seq_lens=lens, blocks=blocks, plain_lens=plain)
 
     def _gather_decode_step(self, layer: int, topk: torch.Tensor, lens: np.ndarray,
-                            block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` of a plain decode step (:meth:`_plain_decode_lens`): the same residency
+                            blocks: torch.Tensor) -> SelectedRows:
+        """``gather`` of a plain decode step (:meth:`step_inputs`): the same residency
         update, copies and rows as the general path, with the index arithmetic in NumPy on
         views of the same memory (a PyTorch op's dispatch costs several microseconds here,
         more than its arithmetic on a few hundred indices; it added up to a millisecond per
-        layer and step). The rows land in the layer's gather buffer."""
+        layer and step). With kvo's C++ host ops the misses are copied straight from the
+        update's result (``copy_residency_misses``) and the answer names hot rows
+        (``SelectedRows.slots``) instead of gathering them; else the rows land in the gather
+        workspace."""
         requests, width = topk.shape
         started = time.perf_counter()
-        blocks = block_table[:requests].cpu().to(_I64)
         serials = self.identity[layer].serials(blocks, torch.from_numpy(lens),
                                                self._one_token[:requests])
         picks = topk.numpy()
         result = self._update_residency(layer, picks, serials.numpy(), lens - 1, requests)
         slots = result.slots[:requests, :width].numpy()
-        if self.copy_implementation == "native":
-            misses, out = self._copy_and_gather(layer, result, blocks, slots)
+        valid = picks >= 0
+        hot_slots: torch.Tensor | None = None
+        if self.copy_implementation == "native":   # (a CPU manager: native_host_tables)
+            hot = self.hot[layer]
+            misses = copy_residency_misses_host(
+                self.pool_layer(layer), hot, blocks, result.miss_counts, result.miss_tokens,
+                result.miss_slots, rows=requests, block_size=self.block_size,
+                capacity=self.capacity)
+            ids = np.where(valid, slots + self._row_base[:requests], -1)
+            hot_slots, out = torch.from_numpy(ids), hot
         else:
             misses = self._copy_misses(layer, result, blocks, requests)
             out = self._hot_rows(layer, slots)
-        valid = picks >= 0
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
         context = int(lens.sum())
@@ -359,7 +393,8 @@ class OffloadManager:
             selected=selected, hits=selected - misses, misses=misses,
             h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
             pool_rows_used=context, residency_seconds=residency_seconds))
-        return out, torch.from_numpy(valid).to(self.device)
+        return SelectedRows(rows=out, valid=torch.from_numpy(valid).to(self.device),
+                            slots=hot_slots)
 
     def _hot_rows(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """Hot-buffer rows ``[R, K, row_dim]`` of batch rows ``0..R-1`` at ``slots`` [R, K].
@@ -429,21 +464,6 @@ class OffloadManager:
                         torch.from_numpy(dst).to(self.device),
                         implementation=self.copy_implementation)
         return int(src.size)
-
-    def _copy_and_gather(self, layer: int, result: ResidencyResult, blocks: torch.Tensor,
-                         slots: np.ndarray) -> tuple[int, torch.Tensor]:
-        """The misses' copies and the hot rows at ``slots`` [R, K] (as :meth:`_copy_misses`
-        then :meth:`_hot_rows`) in one pass of kvo's C++ host op ``sparse_copy_gather``:
-        nearly every selected row of a step with a low hit rate is a miss, and copy-then-
-        gather read each of them twice (pool -> hot, hot -> out). Returns (misses, rows)."""
-        requests, width = slots.shape
-        src, dst = self._miss_rows(result, blocks, requests)
-        hot = self.hot[layer]
-        out = self._gather_out(requests * width)
-        ops.sparse_copy_gather(self.pool_layer(layer), hot, torch.from_numpy(src),
-                               torch.from_numpy(dst), torch.from_numpy(self._hot_row_ids(slots)),
-                               out, implementation="native")
-        return int(src.size), out.view(requests, width, -1)
 
     def _residency(self, layer: int, topk: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
                    decode: torch.Tensor, decode_tok: torch.Tensor, serials: torch.Tensor,

@@ -91,6 +91,8 @@ class LayerwiseStats:
     """Saver time spent gathering layers into the staging area (slot closed meanwhile)."""
     flush_seconds: float = 0.0
     """Time of the batched puts of staged blocks (after the forward)."""
+    staged_puts: int = 0
+    """Batched puts of staged blocks that ended (stored or failed)."""
     flush_wait_seconds: float = 0.0
     """Time ``start_step`` waited for the previous step's staged puts."""
     load_seconds: float = 0.0
@@ -654,6 +656,7 @@ class LayerwiseWorker:
             self.poisoned.end_save(ticket, stored=stored)
         if stored:
             with self._stats_lock:
+                self.stats.staged_puts += 1
                 self.stats.saved_blocks += batch.blocks
                 self.stats.saved_bytes += sum(batch.sizes)
                 for name, moved in batch.bytes_by_part.items():
@@ -666,6 +669,7 @@ class LayerwiseWorker:
         logger.error("kvo layerwise: saving %d staged blocks failed: %s", batch.blocks, error)
         self._poison_keys(batch.keys)
         with self._stats_lock:
+            self.stats.staged_puts += 1
             self.stats.failed_saves += batch.blocks
 
     def _put_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:

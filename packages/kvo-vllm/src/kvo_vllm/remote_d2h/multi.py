@@ -152,6 +152,7 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
             slot_key_of=self.layerwise.slot_key if role == KVConnectorRole.WORKER else None)
         self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
                                 else None, self.snapshot)
+        self._staged_puts_written = 0
         self._chosen: dict[str, KVConnectorBase_V1] = {}
         logger.info("kvo KvoMultiConnector (%s): remote D2H first, then layerwise store",
                     role.name)
@@ -269,7 +270,13 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
         return total
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """The layerwise half's (RemoteD2H sends none)."""
+        """The layerwise half's (RemoteD2H sends none). A staged put that ended since the
+        last look changed the counters after this step's (throttled) stats-file write: the
+        file is written now, so it agrees with /metrics once the engine idles."""
+        ended = self.layerwise.worker.stats.staged_puts
+        if ended != self._staged_puts_written:
+            self._staged_puts_written = ended
+            self._stats.maybe_write(force=True)
         return self.layerwise.build_connector_worker_meta()
 
 
