@@ -11,8 +11,14 @@ import torch
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_kernels.reference.primitives import sparse_mla_attention
-from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows, attend_selected
-from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, make_main_kv_access
+from kvo_vllm.dsa.main_kv import (
+    LayerInfo,
+    PagedMainKV,
+    SelectedRows,
+    attend_rows,
+    attend_selected,
+    make_main_kv_access,
+)
 
 BLOCK, LATENT, ROPE = 4, 8, 4
 WIDTH = LATENT + ROPE
