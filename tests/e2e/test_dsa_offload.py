@@ -166,11 +166,11 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
     stable rows of layer 0 that are (``resident``) or are not in its hot row."""
     from kvo_vllm.dsa import offload_manager
 
-    original = offload_manager.OffloadManager.gather
+    original = offload_manager.OffloadManager.gather_selected
     decode_calls = [0]
 
     def gather(self: Any, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
-               seq_lens: torch.Tensor, block_table: torch.Tensor) -> Any:
+               seq_lens: torch.Tensor, block_table: torch.Tensor, step: Any = None) -> Any:
         if layer == 0 and int(qsl[-1]) == 1:
             decode_calls[0] += 1
             if decode_calls[0] == PROBE_STEP:
@@ -182,13 +182,14 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
                 slots = block_table[0].long()[rows // self.block_size] * self.block_size + (
                     rows % self.block_size)
                 self.pool_layer(0)[slots] = 30.0
-                out = original(self, layer, topk, qsl, seq_lens, block_table)
+                out = original(self, layer, topk, qsl, seq_lens, block_table, step)
                 misses.append(self.stats.last[0].misses)
                 return out
-        return original(self, layer, topk, qsl, seq_lens, block_table)
+        return original(self, layer, topk, qsl, seq_lens, block_table, step)
 
-    monkeypatch.setattr(offload_manager.OffloadManager, "gather", gather)
-    return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "gather", original)
+    monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected", gather)
+    return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected",
+                                       original)
 
 
 @pytest.fixture(scope="module")

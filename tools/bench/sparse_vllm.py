@@ -243,15 +243,15 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     prompts = [[rng.randrange(256) for _ in range(context)] for _ in range(batch)]
     max_len = context + decode_tokens + 16
     trace: list[list[int]] = []
-    original = offload_manager.OffloadManager.gather
+    original = offload_manager.OffloadManager.gather_selected
 
     def recording(self: Any, layer: int, topk: Any, qsl: Any, seq_lens: Any,
-                  table: Any) -> Any:
+                  table: Any, step: Any = None) -> Any:
         if layer == 0 and int(qsl[1] - qsl[0]) == 1:
             trace.append([p for p in topk[0].tolist() if p >= 0])
-        return original(self, layer, topk, qsl, seq_lens, table)
+        return original(self, layer, topk, qsl, seq_lens, table, step)
 
-    offload_manager.OffloadManager.gather = recording  # type: ignore[method-assign]
+    offload_manager.OffloadManager.gather_selected = recording  # type: ignore[method-assign]
     if kernel_backend == "fused":
         _record_fused_trace(trace)
     modes = ("offload", "resident") if offload_first else ("resident", "offload")
@@ -285,6 +285,9 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             row["h2d_mib_per_step"] = sum(s.h2d_bytes for s in decode_calls) / steps / 2**20
             row["full_reload_mib_per_step"] = sum(
                 s.full_reload_bytes for s in decode_calls) / steps / 2**20
+            if decode_calls and not trace:
+                raise RuntimeError("no top-k trace was recorded although the offload engine "
+                                   "decoded: the recording hook missed the manager's entry")
             replay = _replay(trace, manager.capacity)  # both from a cold row
             row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
         row[f"{mode}_device_kv_mib"] = device / 2**20
