@@ -169,23 +169,22 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
     original = offload_manager.OffloadManager.gather_selected
     decode_calls = [0]
 
-    def gather(self: Any, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
-               seq_lens: torch.Tensor, block_table: torch.Tensor, step: Any = None) -> Any:
-        if layer == 0 and int(qsl[-1]) == 1:
+    def gather(self: Any, layer: int, topk: torch.Tensor, step: Any) -> Any:
+        if layer == 0 and step.tokens == 1:
             decode_calls[0] += 1
             if decode_calls[0] == PROBE_STEP:
-                stable = int(seq_lens[0]) - 1
+                stable = int(step.seq_lens[0]) - 1
                 held = set(self.tables[0].slot_tokens[0].tolist()) - {-1}
                 chosen = [p for p in range(stable) if (p in held) == resident]
                 assert chosen, "nothing to overwrite"
                 rows = torch.tensor(chosen)
-                slots = block_table[0].long()[rows // self.block_size] * self.block_size + (
+                slots = step.blocks[0][rows // self.block_size] * self.block_size + (
                     rows % self.block_size)
                 self.pool_layer(0)[slots] = 30.0
-                out = original(self, layer, topk, qsl, seq_lens, block_table, step)
+                out = original(self, layer, topk, step)
                 misses.append(self.stats.last[0].misses)
                 return out
-        return original(self, layer, topk, qsl, seq_lens, block_table, step)
+        return original(self, layer, topk, step)
 
     monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected", gather)
     return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected",

@@ -264,11 +264,11 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     trace: list[list[int]] = []
     original = offload_manager.OffloadManager.gather_selected
 
-    def recording(self: Any, layer: int, topk: Any, qsl: Any, seq_lens: Any,
-                  table: Any, step: Any = None) -> Any:
+    def recording(self: Any, layer: int, topk: Any, step: Any) -> Any:
+        qsl = step.query_start_loc
         if layer == 0 and int(qsl[1] - qsl[0]) == 1:
             trace.append([p for p in topk[0].tolist() if p >= 0])
-        return original(self, layer, topk, qsl, seq_lens, table, step)
+        return original(self, layer, topk, step)
 
     offload_manager.OffloadManager.gather_selected = recording  # type: ignore[method-assign]
     if kernel_backend == "fused":

@@ -52,6 +52,7 @@ class _Harness:
             config=SparseDecodeOffloadConfig(top_k=K, block_size=BS, hot_capacity=CAP)))
         self.caches = [torch.zeros(NUM_BLOCKS, BS, WIDTH) for _ in range(LAYERS)]
         self.copied_rows = 0
+        self.host_copy_calls = 0   # copy_residency_misses calls (native: identity fills too)
 
     def step(self, batch: list[tuple[_Req, int]], topk: list[list[int]] | None = None
              ) -> list[OffloadLayerStats]:
@@ -91,14 +92,21 @@ class _Harness:
         return stats
 
 
-@pytest.fixture
-def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Harness]:
+@pytest.fixture(params=["torch", "native"])
+def harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[_Harness]:
+    """Torch residency (identity fills through index_copy_) and native residency (the C++
+    host ops: identity fills through ``copy_residency_misses``)."""
     layout = SparseModelLayout(num_layers=LAYERS, latent_dim=LATENT, rope_dim=ROPE,
                                index_dim=4, softmax_scale=1.0, kv_dtype=torch.float32)
     manager = OffloadManager(
         layout, num_blocks=NUM_BLOCKS, block_size=BS, max_rows=MAX_ROWS,
         max_blocks_per_row=MAX_BLOCKS, top_k=K, capacity=CAP, decode_query_rows=1,
-        pool_name=f"t-notoff-{uuid.uuid4().hex[:8]}", stats=OffloadStats())
+        pool_name=f"t-notoff-{uuid.uuid4().hex[:8]}", stats=OffloadStats(),
+        residency_backend=request.param)
+    if request.param == "native" and manager.copy_implementation != "native":
+        manager.close()
+        pytest.skip("kvo-kernels' native ops do not build here")
     h = _Harness(manager)
     copy = offload_manager.ops.sparse_copy
 
@@ -108,6 +116,13 @@ def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Harness]:
         copy(src, dst, src_rows, dst_rows, **kwargs)
 
     monkeypatch.setattr(offload_manager.ops, "sparse_copy", counted)
+    host_copy = offload_manager.copy_residency_misses_host
+
+    def counted_host(*args: Any, **kwargs: Any) -> int:
+        h.host_copy_calls += 1
+        return host_copy(*args, **kwargs)
+
+    monkeypatch.setattr(offload_manager, "copy_residency_misses_host", counted_host)
     try:
         yield h
     finally:
@@ -119,11 +134,16 @@ def test_short_request_reads_identity_slots_without_copies(harness: _Harness) ->
     harness.step([(req, 5)])                        # prefill: read from the pool
     first = harness.step([(req, 1)])                # first decode: the prompt enters the row
     assert [s.identity_fills for s in first] == [6] * LAYERS
+    steady = 0
     while req.computed < CAP:
         for s in harness.step([(req, 1)]):
             assert (s.identity_rows, s.identity_fills, s.misses, s.h2d_bytes) == (1, 1, 0, 0)
             assert s.hits == s.selected > 0
+        steady += 1
     assert harness.copied_rows == 0                 # no miss copy while NOT_OFFLOADED
+    # native: each steady step's new row went through the C++ host copy (one call a layer)
+    native = harness.m.copy_implementation == "native"
+    assert harness.host_copy_calls == (steady * LAYERS if native else 0)
     hot = harness.m.hot[1][:CAP]                    # batch row 0: position p at slot p
     for p in range(CAP):
         slot = req.blocks[p // BS] * BS + p % BS

@@ -25,6 +25,7 @@ forget what they held: a later identity use refills them from the pool.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 
 _I64 = torch.int64
@@ -48,27 +49,26 @@ class IdentityRows:
         self.capacity = capacity
         self._serials = torch.full((max_rows,), -1, dtype=_I64)
         self._filled = torch.zeros(max_rows, dtype=_I64)
+        # NumPy views of the same state, for the per-step fast path (a PyTorch op's dispatch
+        # costs more than its arithmetic on a few rows).
+        self._serials_np = self._serials.numpy()
+        self._filled_np = self._filled.numpy()
         self.any_held = False
 
-    def plan_decode_step(self, serials: torch.Tensor, seq_lens: torch.Tensor,
-                         query_lens: torch.Tensor) -> IdentityPlan:
-        """:meth:`plan` for a batch whose every row decodes one token and fits its hot row
-        (the steady state of short requests: each row copies just its new position)."""
-        rows = int(seq_lens.shape[0])
-        lens = seq_lens.numpy()
-        stable = lens - 1
-        # NumPy views of the state: a few small ops, where each torch op's dispatch costs more.
-        held, filled = self._serials.numpy(), self._filled.numpy()
-        if not ((held[:rows] == serials.numpy()) & (filled[:rows] == stable)).all():
-            return self.plan(serials, seq_lens, query_lens,
-                             torch.ones(rows, dtype=torch.bool))
+    def advance_decode_step(self, serials: np.ndarray, lens: np.ndarray) -> bool:
+        """The steady state of short requests, in a handful of NumPy ops: if every batch row
+        ``0..R-1`` (each decoding one token, ``lens`` its sequence length, all <= capacity)
+        holds its request (same serial) with ``[0, len - 1)`` filled, record ``[0, len)``
+        filled (the caller copies position ``len - 1`` of each row) and return True; else
+        change nothing and return False (the caller then uses :meth:`plan`)."""
+        rows = int(lens.shape[0])
+        held, filled = self._serials_np, self._filled_np
+        if not ((held[:rows] == serials) & (filled[:rows] == lens - 1)).all():
+            return False
         filled[:rows] = lens
         if rows < held.shape[0]:
             held[rows:] = -1
-        return IdentityPlan(identity=torch.ones(rows, dtype=torch.bool),
-                            first=torch.zeros(rows, dtype=torch.bool),
-                            fill_rows=torch.arange(rows, dtype=_I64),
-                            fill_pos=torch.from_numpy(stable))
+        return True
 
     def plan(self, serials: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
              decode: torch.Tensor) -> IdentityPlan:

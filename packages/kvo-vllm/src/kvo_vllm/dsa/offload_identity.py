@@ -54,7 +54,10 @@ class RowIdentity:
 
     def note_writes(self, slots: torch.Tensor) -> None:
         """Pool rows ``slots`` (vLLM slot ids, -1 = none) were just written."""
-        written = slots.cpu().numpy().astype(_I64, copy=False).reshape(-1)
+        self.note_written_rows(slots.cpu().numpy().astype(_I64, copy=False).reshape(-1))
+
+    def note_written_rows(self, written: np.ndarray) -> None:
+        """:meth:`note_writes` of int64 slot ids ``[N]`` already in NumPy."""
         first_rows = written[(written >= 0) & (written % self.block_size == 0)]
         if first_rows.size:
             self._write_counter += 1

@@ -45,7 +45,6 @@ class OffloadWorker:
         self._layers: list[LayerInfo] = []
         self.manager: OffloadManager | None = None
         self._step_metadata: Callable[[], Any] = lambda: None
-        self._step_tokens = 0
         self._step: StepInputs | None = None
         self.stats = OffloadStats(
             log_every=_env_int(LOG_EVERY_ENV, 100),
@@ -97,18 +96,17 @@ class OffloadWorker:
             device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config))
         return self.manager
 
-    def step_inputs(self, manager: OffloadManager, metadata: Any) -> tuple[int, StepInputs]:
-        """(the step's query tokens, :meth:`OffloadManager.step_inputs`), computed at the
-        step's first layer and reused by the others (they share vLLM's metadata object)."""
+    def step_inputs(self, manager: OffloadManager, metadata: Any) -> StepInputs:
+        """:meth:`OffloadManager.step_inputs` of vLLM's step metadata, computed at the step's
+        first layer and reused by the others (they share vLLM's metadata object)."""
         if self._step_metadata() is not metadata:
             requests = int(metadata.num_reqs)
-            self._step_tokens = int(metadata.query_start_loc[requests])
             self._step = manager.step_inputs(metadata.query_start_loc[:requests + 1],
                                              metadata.seq_lens[:requests],
                                              metadata.block_table[:requests])
             self._step_metadata = weakref.ref(metadata)
         assert self._step is not None
-        return self._step_tokens, self._step
+        return self._step
 
     def matches(self, vllm_config: Any) -> bool:
         return self._config_ref() is vllm_config
@@ -194,9 +192,9 @@ class OffloadMainKV:
 
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
-        tokens, step = self.worker.step_inputs(manager, metadata)
-        selected = manager.gather_selected(
-            self.index, topk[:tokens], step.query_start_loc, step.seq_lens, step.blocks, step)
+        step = self.worker.step_inputs(manager, metadata)
+        tokens = step.tokens
+        selected = manager.gather_selected(self.index, topk[:tokens], step)
         if tokens < topk.shape[0]:  # padded tokens: no rows
             pad = topk.shape[0] - tokens
             valid = torch.cat([selected.valid, selected.valid.new_zeros(pad, topk.shape[1])])

@@ -18,17 +18,19 @@ Per layer call:
    drafts) go through residency: their query rows' top-k lists are concatenated into the
    request's residency row (shared by its query rows), the table returns hits/misses/slots,
    only the misses are copied pool -> hot buffer (``kvo::sparse_copy``), and each query row's
-   rows come from the hot buffer through its remapped slots. With kvo's C++ host ops loaded
-   (CPU, native residency) a step whose rows all decode one token copies its misses straight
-   from the update's result (``copy_residency_misses``) and hands attention the hot buffer
-   with each token's hot rows (``SelectedRows.slots``): no gathered copy of the rows.
+   rows come from the hot buffer through its remapped slots. A step whose rows all decode one
+   token hands attention the hot buffer with each token's hot rows (``SelectedRows.slots``):
+   no gathered copy of the rows; with kvo's C++ host ops loaded (CPU, native residency) its
+   misses are copied straight from the update's result (``copy_residency_misses``).
    Longer queries (prefill chunks) read their rows straight from the pool: their top-k union
    would not fit a hot row, and they write most of what they read in the same call.
 
    A decode row whose request's sequence, this call's tokens included, fits its hot row
    (``seq_len <= capacity``) is NOT_OFFLOADED instead: its hot row holds position ``p`` at
    slot ``p``, filled from the pool once per position (``offload_hot_rows``), and its top-k
-   is read as ``hot[row * capacity + p]``: no residency update, no miss copy. The call its
+   is read as ``hot[row * capacity + p]``: no residency update, no miss copy (a step whose
+   rows all stay NOT_OFFLOADED copies each row's new position and answers with slots, in a
+   handful of NumPy ops and one C++ copy call with the native ops). The call its
    sequence outgrows the row it goes FIRST_OFFLOAD (the table resets the row and copies the
    selection, ascending), then STEADY. Batches with no such row take the paths above
    unchanged (``_identity_in_play``).
@@ -83,7 +85,11 @@ class StepInputs:
     query_start_loc: torch.Tensor   # [R + 1]
     seq_lens: torch.Tensor          # [R]
     blocks: torch.Tensor            # [R, blocks] (the block table's first R rows)
-    plain_lens: np.ndarray | None   # seq_lens as NumPy if a plain decode step, else None
+    tokens: int                     # the step's query tokens (query_start_loc[R])
+    lens: np.ndarray                # seq_lens as NumPy (same memory)
+    one_token_each: bool            # every row has exactly one query token (plain decode)
+    shortest: int                   # min(seq_lens), 0 without rows
+    longest: int                    # max(seq_lens), 0 without rows
 
 
 class OffloadManager:
@@ -137,14 +143,10 @@ class OffloadManager:
                                     device=self.device) for _ in range(layers)]
             self.tables = [make_residency_table(residency_backend, max_rows, capacity)
                            for _ in range(layers)]
-            # A decode step's selected rows [R * K, row_dim] land here (caller-owned, no
-            # allocation per step: a fresh 2 MiB tensor per layer call cost page faults). One
-            # workspace serves every layer: the backend attends over the rows within the same
-            # layer call, and layers run one after another (per-layer buffers would cost
-            # layers x max_num_seqs x top_k rows: hundreds of MiB per layer at DeepSeek sizes).
-            # (The fused path attends inside its op: no workspace.)
-            self.gathered = torch.empty(0 if fused else max_rows * top_k, layout.row_dim,
-                                        dtype=layout.kv_dtype, device=self.device)
+            # Each layer's pool rows, sliced once (a slice per call costs a dispatch).
+            self._pool_layers = [] if fused else [
+                self.store.layer(layer)[:num_blocks * block_size]
+                for layer in range(layout.num_layers)]
             if copy_implementation is None and native_host_tables(self.tables, self.device):
                 # The residency runs kvo's native library, so its C++ host copy is there too.
                 self.copy_implementation = "native"
@@ -163,6 +165,10 @@ class OffloadManager:
             self._row_base = np.arange(max_rows, dtype=np.int64)[:, None] * capacity
             self._columns_np = np.arange(row_width, dtype=np.int64)
             self._one_token = torch.ones(max_rows, dtype=_I64)   # query lens of a decode step
+            # A NOT_OFFLOADED decode step's one new position per row, [max_rows, 1] (both the
+            # token and the hot slot of its identity copy).
+            self._fill_pos = torch.zeros(max_rows, 1, dtype=_I64)
+            self._fill_pos_np = self._fill_pos.numpy()
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
                                          max_blocks_per_row=max_blocks_per_row)
@@ -186,12 +192,6 @@ class OffloadManager:
         return fused + int(sum(h.numel() * h.element_size() for h in self.hot))
 
     @property
-    def gather_buffer_bytes(self) -> int:
-        """Device bytes of the decode-step gather workspace (``max_rows x top_k`` rows, shared
-        by the layers: the rows one layer's step attends to; a workspace rather than KV)."""
-        return int(self.gathered.numel() * self.gathered.element_size())
-
-    @property
     def pool_region(self) -> tuple[int, int]:
         """(address, bytes) of the whole host pool, for registering with a transfer engine."""
         return self.store.pool.ptr, self.store.pool.nbytes
@@ -199,7 +199,9 @@ class OffloadManager:
     def pool_layer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s pool rows ``[num_blocks * block_size, row_dim]`` (slot-indexed;
         not in fused mode, whose pool keeps latent and rope apart: :meth:`pool_parts`)."""
-        return self.store.layer(layer)[:self.num_blocks * self.block_size]
+        if self.fused is not None:
+            self.store.layer(layer)   # raises: the fused pool has no interleaved rows
+        return self._pool_layers[layer]
 
     def pool_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s pool as (latent, rope) ``[num_blocks, block_size, D]`` views."""
@@ -243,18 +245,20 @@ class OffloadManager:
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write main-KV rows ``[N, row_dim]`` at vLLM slots ``[>= N]`` (-1 = skip)."""
-        slots = slots.reshape(-1)[:rows.shape[0]].to(_I64)
-        keep = slots >= 0
-        if not bool(keep.all()):
-            rows, slots = rows[keep], slots[keep]
+        # Index arithmetic in NumPy (one dispatch per PyTorch op costs more than the work).
+        wanted = slots.reshape(-1)[:rows.shape[0]].cpu().numpy().astype(np.int64, copy=False)
+        keep = wanted >= 0
+        if not keep.all():
+            rows, wanted = rows[torch.from_numpy(keep).to(rows.device)], wanted[keep]
         rows = rows.to(device="cpu", dtype=self.layout.kv_dtype)
+        index = torch.from_numpy(wanted)
         if self.fused is None:
-            self.pool_layer(layer).index_copy_(0, slots.cpu(), rows)
+            self._pool_layers[layer].index_copy_(0, index, rows)
         else:
             latent, rope = (part.flatten(0, 1) for part in self.pool_parts(layer))
-            latent.index_copy_(0, slots.cpu(), rows[:, :self.layout.latent_dim])
-            rope.index_copy_(0, slots.cpu(), rows[:, self.layout.latent_dim:])
-        self.identity[layer].note_writes(slots.cpu())
+            latent.index_copy_(0, index, rows[:, :self.layout.latent_dim])
+            rope.index_copy_(0, index, rows[:, self.layout.latent_dim:])
+        self.identity[layer].note_written_rows(wanted)
 
     def gather(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_table: torch.Tensor
@@ -263,40 +267,40 @@ class OffloadManager:
 
         ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
         ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
-        A plain decode step's rows may live in a workspace every layer shares: attend to them
-        before the next ``gather`` call. (:meth:`gather_selected`, materialised.)
+        (:meth:`gather_selected`, materialised.)
         """
-        return self.gather_selected(layer, topk, query_start_loc, seq_lens,
-                                    block_table).materialized()
+        step = self.step_inputs(query_start_loc, seq_lens, block_table)
+        return self.gather_selected(layer, topk, step).materialized()
 
-    def gather_selected(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, block_table: torch.Tensor,
-                        step: StepInputs | None = None) -> SelectedRows:
-        """As :meth:`gather`; a plain decode step with kvo's C++ host ops answers with the
-        layer's hot buffer and each token's hot rows (``SelectedRows.slots``): attention reads
-        them there, valid until the layer's next call. ``step``: :meth:`step_inputs` of the
-        same three tensors, when the caller keeps them for the step's layers."""
+    def gather_selected(self, layer: int, topk: torch.Tensor, step: StepInputs
+                        ) -> SelectedRows:
+        """As :meth:`gather`, for the step :meth:`step_inputs` described (the caller keeps it
+        for the step's layers). A decode step whose rows all take one path (every row
+        residency-managed, or every row NOT_OFFLOADED) answers with the layer's hot buffer
+        and each token's hot rows (``SelectedRows.slots``): attention reads them there, valid
+        until the layer's next call."""
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
-        if step is None:
-            step = self.step_inputs(query_start_loc, seq_lens, block_table)
         topk = topk.cpu()
-        if (step.plain_lens is not None and topk.shape[0] == step.plain_lens.shape[0]
-                and not self.identity_rows[layer].any_held):
-            return self._gather_decode_step(layer, topk, step.plain_lens, step.blocks)
+        requests = int(step.lens.shape[0])
+        serials: torch.Tensor | None = None
+        if step.one_token_each and requests and topk.shape[0] == requests:
+            if step.shortest > self.capacity and not self.identity_rows[layer].any_held:
+                return self._gather_decode_step(layer, topk, step.lens, step.blocks)
+            if step.longest <= self.capacity:
+                serials = self.identity[layer].serials(step.blocks, step.seq_lens,
+                                                       self._one_token[:requests])
+                fast = self._gather_identity_step(layer, topk, step, serials)
+                if fast is not None:
+                    return fast
         topk = topk.to(_I64)
         qsl, seq_lens, blocks = step.query_start_loc, step.seq_lens, step.blocks
         count, width = topk.shape
-        requests = int(seq_lens.shape[0])
         bs = self.block_size
         query_lens = qsl[1:requests + 1] - qsl[:requests]
         if self._identity_in_play(layer, seq_lens):
-            if count == requests and int(seq_lens.max()) <= self.capacity and bool(
-                    (query_lens == 1).all()):
-                return SelectedRows(*self._gather_identity_step(layer, topk, seq_lens,
-                                                                query_lens, blocks))
             return SelectedRows(*self._gather_with_identity(layer, topk, qsl, seq_lens,
-                                                            query_lens, blocks))
+                                                            query_lens, blocks, serials))
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
@@ -345,15 +349,13 @@ class OffloadManager:
         lens = seq_lens.cpu().to(_I64)
         requests = int(lens.shape[0])
         blocks = block_table[:requests].cpu().to(_I64)
-        lens_np = lens.numpy()
-        plain: np.ndarray | None = None
-        # A plain decode step: every batch row decodes one token and none fits its hot row
-        # (none is, or leaves, NOT_OFFLOADED: most decode steps of long requests).
-        if requests and int(lens_np.min()) > self.capacity:
-            qsl_np = qsl.numpy()
-            if (qsl_np[1:requests + 1] - qsl_np[:requests] == 1).all():
-                plain = lens_np
-        return StepInputs(query_start_loc=qsl, seq_lens=lens, blocks=blocks, plain_lens=plain)
+        lens_np, qsl_np = lens.numpy(), qsl.numpy()
+        return StepInputs(
+            query_start_loc=qsl, seq_lens=lens, blocks=blocks,
+            tokens=int(qsl_np[requests]) if qsl_np.shape[0] > requests else 0, lens=lens_np,
+            one_token_each=bool((qsl_np[1:requests + 1] - qsl_np[:requests] == 1).all()),
+            shortest=int(lens_np.min()) if requests else 0,
+            longest=int(lens_np.max()) if requests else 0)
 
     def _gather_decode_step(self, layer: int, topk: torch.Tensor, lens: np.ndarray,
                             blocks: torch.Tensor) -> SelectedRows:
@@ -362,9 +364,8 @@ class OffloadManager:
         views of the same memory (a PyTorch op's dispatch costs several microseconds here,
         more than its arithmetic on a few hundred indices; it added up to a millisecond per
         layer and step). With kvo's C++ host ops the misses are copied straight from the
-        update's result (``copy_residency_misses``) and the answer names hot rows
-        (``SelectedRows.slots``) instead of gathering them; else the rows land in the gather
-        workspace."""
+        update's result (``copy_residency_misses``); either way the answer names hot rows
+        (``SelectedRows.slots``) instead of gathering them."""
         requests, width = topk.shape
         started = time.perf_counter()
         serials = self.identity[layer].serials(blocks, torch.from_numpy(lens),
@@ -373,18 +374,14 @@ class OffloadManager:
         result = self._update_residency(layer, picks, serials.numpy(), lens - 1, requests)
         slots = result.slots[:requests, :width].numpy()
         valid = picks >= 0
-        hot_slots: torch.Tensor | None = None
         if self.copy_implementation == "native":   # (a CPU manager: native_host_tables)
-            hot = self.hot[layer]
             misses = copy_residency_misses_host(
-                self.pool_layer(layer), hot, blocks, result.miss_counts, result.miss_tokens,
-                result.miss_slots, rows=requests, block_size=self.block_size,
-                capacity=self.capacity)
-            ids = np.where(valid, slots + self._row_base[:requests], -1)
-            hot_slots, out = torch.from_numpy(ids), hot
+                self._pool_layers[layer], self.hot[layer], blocks, result.miss_counts,
+                result.miss_tokens, result.miss_slots, rows=requests,
+                block_size=self.block_size, capacity=self.capacity)
         else:
             misses = self._copy_misses(layer, result, blocks, requests)
-            out = self._hot_rows(layer, slots)
+        hot_slots = np.where(valid, slots + self._row_base[:requests], -1)
         residency_seconds = time.perf_counter() - started
         selected = int(valid.sum())
         context = int(lens.sum())
@@ -393,33 +390,8 @@ class OffloadManager:
             selected=selected, hits=selected - misses, misses=misses,
             h2d_bytes=misses * self.row_bytes, full_reload_bytes=context * self.row_bytes,
             pool_rows_used=context, residency_seconds=residency_seconds))
-        return SelectedRows(rows=out, valid=torch.from_numpy(valid).to(self.device),
-                            slots=hot_slots)
-
-    def _hot_rows(self, layer: int, slots: np.ndarray) -> torch.Tensor:
-        """Hot-buffer rows ``[R, K, row_dim]`` of batch rows ``0..R-1`` at ``slots`` [R, K].
-
-        Padding entries (< 0) read slot 0 of their row: ``gather``'s rows there may hold
-        anything (main_kv's contract; attention masks them), so they are not zeroed."""
-        requests, width = slots.shape
-        rows = self._hot_row_ids(slots)
-        out = self._gather_out(requests * width)
-        torch.index_select(self.hot[layer], 0, torch.from_numpy(rows).to(self.device), out=out)
-        return out.view(requests, width, -1)
-
-    def _gather_out(self, rows: int) -> torch.Tensor:
-        """The gather workspace cut to ``rows`` rows (a fresh tensor if wider, which a decode
-        step never is: at most ``max_rows`` rows of ``top_k``). The previous layer's rows in it
-        are dead by now: its attention ran in its own layer call."""
-        buffer = self.gathered
-        if rows > buffer.shape[0]:
-            return torch.empty(rows, buffer.shape[1], dtype=buffer.dtype, device=self.device)
-        return buffer[:rows]
-
-    def _hot_row_ids(self, slots: np.ndarray) -> np.ndarray:
-        """Flat hot-buffer row ids ``[R * K]`` of ``slots`` [R, K] (padding: the row's slot 0)."""
-        rows: np.ndarray = (np.maximum(slots, 0) + self._row_base[:slots.shape[0]]).ravel()
-        return rows
+        return SelectedRows(rows=self.hot[layer], valid=torch.from_numpy(valid).to(self.device),
+                            slots=torch.from_numpy(hot_slots).to(self.device))
 
     def _update_residency(self, layer: int, row_topk: _Ints, serials: _Ints, stable: _Ints,
                           requests: int, steady: torch.Tensor | None = None,
@@ -505,35 +477,55 @@ class OffloadManager:
         self.hot[layer].index_copy_(0, dst, self.pool_layer(layer)[src].to(self.device))
         return int(rows.size)
 
-    def _gather_identity_step(self, layer: int, topk: torch.Tensor, seq_lens: torch.Tensor,
-                              query_lens: torch.Tensor, blocks: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` of a batch whose every row decodes one token and fits its hot row: the
-        rows of :meth:`_gather_with_identity`, in fewer ops (short requests' steady state)."""
-        requests = int(seq_lens.shape[0])
+    def _gather_identity_step(self, layer: int, topk: torch.Tensor, step: StepInputs,
+                              serials: torch.Tensor) -> SelectedRows | None:
+        """``gather`` of a step whose every row decodes one token and fits its hot row, in the
+        steady state of short requests (every row holds the request it held last call, filled
+        up to its new position): copy each row's new position into its identity slot, answer
+        with the hot buffer at slots ``row * capacity + position``. None when some row is not
+        in that state (a join, a move, a first step): the caller takes the general path.
+        ``serials``: the rows' :class:`RowIdentity` serials for this call."""
+        requests = int(step.lens.shape[0])
         started = time.perf_counter()
-        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
-        plan = self.identity_rows[layer].plan_decode_step(serials, seq_lens, query_lens)
-        filled = self._fill_identity_rows(layer, plan, blocks)
-        out = self._hot_rows(layer, topk.numpy())   # identity: position p is hot slot p
-        valid = topk >= 0
-        selected = int(valid.sum())
-        context = int(seq_lens.sum())
+        if not self.identity_rows[layer].advance_decode_step(serials.numpy(), step.lens):
+            return None
+        new_pos = self._fill_pos_np[:requests]
+        np.subtract(step.lens, 1, out=new_pos[:, 0])
+        if self.copy_implementation == "native":
+            filled = copy_residency_misses_host(
+                self._pool_layers[layer], self.hot[layer], step.blocks,
+                self._one_token[:requests], self._fill_pos[:requests],
+                self._fill_pos[:requests], rows=requests, block_size=self.block_size,
+                capacity=self.capacity)
+        else:
+            rows = torch.arange(requests, dtype=_I64)
+            filled = self._fill_identity_rows(layer, IdentityPlan(
+                identity=torch.ones(requests, dtype=torch.bool),
+                first=torch.zeros(requests, dtype=torch.bool), fill_rows=rows,
+                fill_pos=self._fill_pos[:requests, 0].clone()), step.blocks)
+        picks = topk.numpy()
+        valid = picks >= 0
+        hot_slots = np.where(valid, picks + self._row_base[:requests], -1)
+        selected = int(np.count_nonzero(valid))
+        context = int(step.lens.sum())
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
             selected=selected, hits=selected, misses=0, h2d_bytes=0,
             full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
             residency_seconds=time.perf_counter() - started, identity_rows=requests,
             identity_fills=filled))
-        return out, valid.to(self.device)
+        return SelectedRows(rows=self.hot[layer], valid=torch.from_numpy(valid).to(self.device),
+                            slots=torch.from_numpy(hot_slots).to(self.device))
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
-                              blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                              blocks: torch.Tensor, serials: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``gather`` of a batch with NOT_OFFLOADED rows (or rows leaving that state): those
         read ``hot[row * capacity + position]``, with no residency update and no miss copy;
         other decode rows go through residency (FIRST_OFFLOAD on the call they outgrow
-        their hot row), prefill rows read the pool, as in the general path."""
+        their hot row), prefill rows read the pool, as in the general path. ``serials``: the
+        rows' serials when this call already asked :class:`RowIdentity` for them."""
         count, width = topk.shape
         requests = int(seq_lens.shape[0])
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
@@ -541,7 +533,8 @@ class OffloadManager:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
                              f"{req.numel()} tokens")
         started = time.perf_counter()
-        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        if serials is None:
+            serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
         decode = (query_lens >= 1) & (query_lens <= self.decode_query_rows)
         self.identity[layer].forget(~decode)
         plan = self.identity_rows[layer].plan(serials, seq_lens, query_lens, decode)
