@@ -29,8 +29,9 @@ from kvo_core.errors import KvoError
 
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION_PREFIX = "kvo_native_ops"
-SOURCES = ("residency.cpp", "sparse_copy.cpp")
-HEADERS = ("residency_rows.h", "lru_log.h", "residency_scan.h", "sparse_copy.h")
+SOURCES = ("residency.cpp", "sparse_copy.cpp", "row_identity.cpp")
+HEADERS = ("residency_rows.h", "lru_log.h", "residency_scan.h", "sparse_copy.h",
+           "row_identity.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "residency_rows.h"
+#include "row_identity.h"
 #include "sparse_copy.h"
 
 namespace kvo_residency {
@@ -512,5 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("copy_residency_misses", &kvo_copy::copy_residency_misses_cpu,
         "a residency update's miss copies, pool -> hot buffer (csrc/sparse_copy.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("row_serials", &kvo_identity::row_serials_cpu,
+        "the offload path's request serials of batch rows (csrc/row_identity.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

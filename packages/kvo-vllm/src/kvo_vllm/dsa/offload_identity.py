@@ -26,28 +26,42 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvo_kernels.host_identity import RowSerialsState, row_serials_host
+
 _I64 = np.int64
 
 
 class RowIdentity:
     """Block versions and per-row serials of one layer (module docstring).
 
-    The state is kept in NumPy arrays: a decode step calls :meth:`serials` once per layer with
-    a handful of rows, where each PyTorch op's dispatch costs more than its arithmetic.
+    The state lives in int64 CPU tensors, worked on through NumPy views of the same memory: a
+    decode step calls :meth:`serials` once per layer with a handful of rows, where each PyTorch
+    op's dispatch costs more than its arithmetic. With ``native=True`` :meth:`serials` runs
+    kvo-kernels' C++ ``row_serials`` on the same state (one call instead of a dozen NumPy
+    operations; the NumPy code below is its reference, checked equal call by call in tests).
     """
 
     def __init__(self, *, max_rows: int, num_blocks: int, block_size: int,
-                 max_blocks_per_row: int) -> None:
+                 max_blocks_per_row: int, native: bool = False) -> None:
         self.block_size = block_size
         self.max_rows = max_rows
         self.max_blocks = max_blocks_per_row
-        self._versions = np.zeros(num_blocks, dtype=_I64)
+        self.native = native
+        self.state = RowSerialsState(
+            versions=torch.zeros(num_blocks, dtype=torch.int64),
+            recorded_blocks=torch.full((max_rows, max_blocks_per_row), -1, dtype=torch.int64),
+            recorded_versions=torch.full((max_rows, max_blocks_per_row), -1,
+                                         dtype=torch.int64),
+            covered=torch.zeros(max_rows, dtype=torch.int64),   # blocks recorded per row
+            serials=torch.full((max_rows,), -1, dtype=torch.int64),
+            next_serial=torch.zeros(1, dtype=torch.int64))
+        self._versions = self.state.versions.numpy()
         self._write_counter = 0
-        self._blocks = np.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
-        self._block_versions = np.full((max_rows, max_blocks_per_row), -1, dtype=_I64)
-        self._covered = np.zeros(max_rows, dtype=_I64)   # blocks recorded per row
-        self._serials = np.full(max_rows, -1, dtype=_I64)
-        self._next_serial = 0
+        self._blocks = self.state.recorded_blocks.numpy()
+        self._block_versions = self.state.recorded_versions.numpy()
+        self._covered = self.state.covered.numpy()
+        self._serials = self.state.serials.numpy()
+        self._next_serial = self.state.next_serial.numpy()
         # The last call's inputs, for the unchanged-rows shortcut in ``serials``.
         self._last_table: np.ndarray | None = None
         self._last_counter = -1
@@ -69,6 +83,10 @@ class RowIdentity:
         rows = int(seq_lens.shape[0])
         if rows > self.max_rows:
             raise ValueError(f"{rows} batch rows, at most {self.max_rows} (max_num_seqs)")
+        if self.native:
+            row_serials_host(self.state, block_table, seq_lens, query_lens, rows=rows,
+                             block_size=self.block_size)
+            return self.state.serials[:rows].clone()
         bs = self.block_size
         lens = seq_lens.cpu().numpy().astype(_I64, copy=False)
         stable = lens - query_lens.cpu().numpy().astype(_I64, copy=False)
@@ -99,9 +117,9 @@ class RowIdentity:
                 & (self._serials[:rows] >= 0))
         fresh = int((~keep).sum())
         if fresh:
-            self._serials[:rows][~keep] = np.arange(self._next_serial, self._next_serial + fresh,
-                                                    dtype=_I64)
-            self._next_serial += fresh
+            first = int(self._next_serial[0])
+            self._serials[:rows][~keep] = np.arange(first, first + fresh, dtype=_I64)
+            self._next_serial[0] = first + fresh
         self._blocks[:rows, :width] = blocks
         self._block_versions[:rows, :width] = versions
         self._covered[:rows] = covered

@@ -169,9 +169,11 @@ class OffloadManager:
             # token and the hot slot of its identity copy).
             self._fill_pos = torch.zeros(max_rows, 1, dtype=_I64)
             self._fill_pos_np = self._fill_pos.numpy()
+            # With kvo's C++ host ops loaded, the serials come from its row_serials too.
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
-                                         max_blocks_per_row=max_blocks_per_row)
+                                         max_blocks_per_row=max_blocks_per_row,
+                                         native=self.copy_implementation == "native")
                              for _ in range(layout.num_layers)]
             self.identity_rows = [IdentityRows(max_rows=max_rows, capacity=capacity)
                                   for _ in range(layers)]

@@ -1,0 +1,26 @@
+// Which request a batch row serves, told from vLLM's block tables alone: the per-call serials
+// of kvo-vllm's offload path (kvo_vllm.dsa.offload_identity.RowIdentity, whose NumPy code is
+// the reference and states the rules), in one pass over the rows' blocks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvo_identity {
+
+// For batch rows r < rows: the row keeps its serial iff its stable prefix
+// [0, seq_lens[r] - query_lens[r]) is non-empty, lies in blocks the row recorded last call,
+// and those blocks (ids in block_table[r], versions in versions[block]) are the recorded ones;
+// otherwise it gets serial next_serial[0]++ (rows in order). Then the row's covered blocks
+// (ceil(seq_len / block_size), at most the table's and the state's width), their versions
+// and the count are recorded, columns past the count as -1. State tensors (int64, contiguous,
+// updated in place): recorded_blocks and recorded_versions [max_rows, max_blocks], covered
+// and serials [max_rows], next_serial [1]; versions [num_blocks] is read. block_table int32
+// or int64 [>= rows, W]; seq_lens and query_lens int32 or int64 [>= rows]. Every argument and
+// covered block id is checked first: a refused call changes nothing.
+void row_serials_cpu(const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_lens, const at::Tensor& versions,
+                     at::Tensor recorded_blocks, at::Tensor recorded_versions,
+                     at::Tensor covered, at::Tensor serials, at::Tensor next_serial,
+                     int64_t rows, int64_t block_size);
+
+}  // namespace kvo_identity

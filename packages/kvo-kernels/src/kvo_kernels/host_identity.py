@@ -1,0 +1,42 @@
+"""The offload path's row serials through kvo's C++ ops (``csrc/row_identity.cpp``).
+
+kvo-vllm's ``RowIdentity`` tells, per layer call, whether each batch row still serves the
+request whose rows its hot buffer holds, from vLLM's block tables alone. Its NumPy version is
+the reference (and states the rules); on the decode path its dozen small array operations
+cost more than the comparison itself, so with kvo's native ops loaded it calls this instead.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvo_kernels.errors import KernelArgumentError
+from kvo_kernels.native_build import load_native_ops
+
+
+@attrs.frozen(eq=False)
+class RowSerialsState:
+    """The state one layer's serials live in (int64 CPU tensors, updated in place)."""
+
+    versions: torch.Tensor            # [num_blocks] per pool block, renewed on a first-row write
+    recorded_blocks: torch.Tensor     # [max_rows, max_blocks] blocks each row covered last call
+    recorded_versions: torch.Tensor   # [max_rows, max_blocks] their versions then
+    covered: torch.Tensor             # [max_rows] how many blocks each row covered
+    serials: torch.Tensor             # [max_rows] each row's request serial, -1 none
+    next_serial: torch.Tensor         # [1] the next fresh serial
+
+
+def row_serials_host(state: RowSerialsState, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_lens: torch.Tensor, *, rows: int,
+                     block_size: int) -> None:
+    """Update ``state.serials[:rows]`` for this call (rules: ``row_identity.h``). A refused
+    call (a shape, a dtype, a block id outside the pool) changes nothing and raises
+    :class:`KernelArgumentError`."""
+    module = load_native_ops()
+    try:
+        module.row_serials(block_table, seq_lens, query_lens, state.versions,
+                           state.recorded_blocks, state.recorded_versions, state.covered,
+                           state.serials, state.next_serial, rows, block_size)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise KernelArgumentError(f"row_serials (host op): {error}") from None
