@@ -40,3 +40,28 @@ def row_serials_host(state: RowSerialsState, block_table: torch.Tensor,
                            state.serials, state.next_serial, rows, block_size)
     except (ValueError, IndexError, RuntimeError) as error:
         raise KernelArgumentError(f"row_serials (host op): {error}") from None
+
+
+def identity_decode_step_host(pool: torch.Tensor, hot: torch.Tensor, block_table: torch.Tensor,
+                              seq_lens: torch.Tensor, serials: torch.Tensor, held: torch.Tensor,
+                              filled: torch.Tensor, topk: torch.Tensor, hot_slots: torch.Tensor,
+                              valid: torch.Tensor, *, rows: int, block_size: int,
+                              capacity: int) -> tuple[int, int] | None:
+    """A decode step of batch rows that all stay NOT_OFFLOADED (kvo-vllm's
+    ``offload_hot_rows``), in one call: each row's new position copied pool -> its identity
+    slot, ``filled`` advanced, and each top-k entry's hot row (``hot_slots`` [rows, K], -1
+    none) and ``valid`` [rows, K] written. Returns (selected entries, sum of seq_lens), or
+    None, with nothing changed, when some row is not in that steady state (``held[r]`` is not
+    ``serials[r]`` or ``filled[r]`` is not ``seq_lens[r] - 1``). Rules: ``row_identity.h``.
+    A refused call (a shape, an index, a top-k entry at or past its row's sequence) changes
+    nothing and raises :class:`KernelArgumentError`."""
+    module = load_native_ops()
+    try:
+        selected, context = module.identity_decode_step(
+            pool, hot, block_table, seq_lens, serials, held, filled, topk, hot_slots, valid,
+            rows, block_size, capacity)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise KernelArgumentError(f"identity_decode_step (host op): {error}") from None
+    if selected < 0:
+        return None
+    return int(selected), int(context)

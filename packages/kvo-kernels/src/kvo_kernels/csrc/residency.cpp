@@ -517,4 +517,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_serials", &kvo_identity::row_serials_cpu,
         "the offload path's request serials of batch rows (csrc/row_identity.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("identity_decode_step", &kvo_identity::identity_decode_step_cpu,
+        "a decode step of NOT_OFFLOADED rows: new rows to their identity slots, hot slots "
+        "of the top-k (csrc/row_identity.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <tuple>
 #include <vector>
 
 namespace kvo_identity {
@@ -17,15 +20,16 @@ constexpr const char* kOp = "row_serials";
 // Element [r][c] of a CPU int32/int64 tensor as int64 (1-D: c is ignored).
 class Ints {
  public:
-  Ints(const at::Tensor& t, const char* name, int64_t dims, int64_t min_rows)
+  Ints(const at::Tensor& t, const char* name, int64_t dims, int64_t min_rows,
+       const char* op = kOp)
       : tensor_(t.contiguous()) {
-    TORCH_CHECK_VALUE(t.device().is_cpu(), kOp, ": ", name, " must be a CPU tensor, got ",
+    TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ",
                       t.device());
-    TORCH_CHECK_VALUE(t.dim() == dims, kOp, ": ", name, " must be ", dims, "-D, got shape ",
+    TORCH_CHECK_VALUE(t.dim() == dims, op, ": ", name, " must be ", dims, "-D, got shape ",
                       t.sizes());
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, kOp, ": ",
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ",
                       name, " must be int32 or int64, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.size(0) >= min_rows, kOp, ": ", name, " has ", t.size(0),
+    TORCH_CHECK_VALUE(t.size(0) >= min_rows, op, ": ", name, " has ", t.size(0),
                       " rows, the call names ", min_rows);
     wide_ = tensor_.scalar_type() == at::kLong;
     data_ = tensor_.data_ptr();
@@ -46,10 +50,10 @@ class Ints {
 };
 
 // A state tensor: int64, contiguous, on the CPU, of the given shape.
-int64_t* state(at::Tensor& t, const char* name, at::IntArrayRef shape) {
+int64_t* state(at::Tensor& t, const char* name, at::IntArrayRef shape, const char* op = kOp) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
-                    kOp, ": ", name, " must be a contiguous int64 CPU tensor");
-  TORCH_CHECK_VALUE(t.sizes() == shape, kOp, ": ", name, " has shape ", t.sizes(),
+                    op, ": ", name, " must be a contiguous int64 CPU tensor");
+  TORCH_CHECK_VALUE(t.sizes() == shape, op, ": ", name, " has shape ", t.sizes(),
                     ", expected ", shape);
   return t.data_ptr<int64_t>();
 }
@@ -118,6 +122,101 @@ void row_serials_cpu(const at::Tensor& block_table, const at::Tensor& seq_lens,
     rec_covered[r] = cover_now;
     if (!keep) row_serials[r] = (*next)++;
   }
+}
+
+}  // namespace kvo_identity
+
+namespace kvo_identity {
+
+std::tuple<int64_t, int64_t> identity_decode_step_cpu(
+    const at::Tensor& pool, at::Tensor hot, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& serials, at::Tensor held, at::Tensor filled,
+    const at::Tensor& topk, at::Tensor hot_slots, at::Tensor valid, int64_t rows,
+    int64_t block_size, int64_t capacity) {
+  constexpr const char* op = "identity_decode_step";
+  TORCH_CHECK_VALUE(block_size >= 1 && capacity >= 1, op, ": block_size (", block_size,
+                    ") and capacity (", capacity, ") must be >= 1");
+  TORCH_CHECK_VALUE(held.dim() == 1, op, ": held must be 1-D");
+  const int64_t max_rows = held.size(0);
+  TORCH_CHECK_VALUE(rows >= 1 && rows <= max_rows, op, ": ", rows, " batch rows, expected 1 to ",
+                    max_rows);
+  int64_t* held_serials = state(held, "held", {max_rows}, op);
+  int64_t* filled_to = state(filled, "filled", {max_rows}, op);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&pool, &hot}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() >= 1 && t->is_contiguous(), op,
+                      ": pool and hot must be contiguous CPU tensors with a row dimension");
+  }
+  TORCH_CHECK_VALUE(pool.scalar_type() == hot.scalar_type() &&
+                        pool.sizes().slice(1) == hot.sizes().slice(1),
+                    op, ": pool and hot rows differ in dtype or shape");
+  TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
+                    capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
+  const Ints table(block_table, "block_table", 2, rows, op);
+  const Ints lens(seq_lens, "seq_lens", 1, rows, op);
+  const Ints request(serials, "serials", 1, rows, op);
+  const Ints picks(topk, "topk", 2, rows, op);
+  const int64_t width = picks.width();
+  TORCH_CHECK_VALUE(hot_slots.device().is_cpu() && hot_slots.scalar_type() == at::kLong &&
+                        hot_slots.is_contiguous() && hot_slots.dim() == 2 &&
+                        hot_slots.size(0) == rows && hot_slots.size(1) == width,
+                    op, ": hot_slots must be a contiguous int64 CPU tensor [", rows, ", ", width,
+                    "]");
+  TORCH_CHECK_VALUE(valid.device().is_cpu() && valid.scalar_type() == at::kBool &&
+                        valid.is_contiguous() && valid.sizes() == hot_slots.sizes(),
+                    op, ": valid must be a contiguous bool CPU tensor [", rows, ", ", width, "]");
+
+  // Is every row in the steady identity state? If not, nothing changes.
+  for (int64_t r = 0; r < rows; ++r) {
+    if (held_serials[r] != request.at(r) || filled_to[r] != lens.at(r) - 1) return {-1, 0};
+  }
+  // Check every copy and top-k entry before writing anything.
+  const int64_t pool_rows = pool.size(0);
+  std::vector<int64_t> sources(static_cast<size_t>(rows));
+  int64_t context = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = lens.at(r);
+    TORCH_CHECK_VALUE(len >= 1 && len <= capacity, op, ": row ", r, " has seq_len ", len,
+                      "; a NOT_OFFLOADED row holds 1 to ", capacity, " tokens");
+    const int64_t position = len - 1;
+    TORCH_CHECK_INDEX(position / block_size < table.width(), op, ": position ", position,
+                      " of row ", r, " is past the block table's ",
+                      table.width() * block_size, " tokens");
+    const int64_t block = table.at(r, position / block_size);
+    const int64_t source = block * block_size + position % block_size;
+    TORCH_CHECK_INDEX(block >= 0 && source < pool_rows, op, ": position ", position,
+                      " of row ", r, " is in block ", block, ", outside the pool's ", pool_rows,
+                      " rows");
+    sources[static_cast<size_t>(r)] = source;
+    for (int64_t k = 0; k < width; ++k) {
+      TORCH_CHECK_INDEX(picks.at(r, k) < len, op, ": topk[", r, "][", k, "] = ", picks.at(r, k),
+                        " is not a position of the row's ", len, " tokens");
+    }
+    context += len;
+  }
+  // Apply: the new rows, the state, the answer.
+  const int64_t item = static_cast<int64_t>(pool.element_size());
+  const int64_t row_bytes = (pool.numel() / std::max<int64_t>(pool_rows, 1)) * item;
+  const char* pool_base = static_cast<const char*>(pool.data_ptr());
+  char* hot_base = static_cast<char*>(hot.data_ptr());
+  int64_t* slots_out = hot_slots.data_ptr<int64_t>();
+  bool* valid_out = valid.data_ptr<bool>();
+  int64_t selected = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = lens.at(r);
+    std::memcpy(hot_base + (r * capacity + len - 1) * row_bytes,
+                pool_base + sources[static_cast<size_t>(r)] * row_bytes,
+                static_cast<size_t>(row_bytes));
+    filled_to[r] = len;
+    for (int64_t k = 0; k < width; ++k) {
+      const int64_t t = picks.at(r, k);
+      const bool chosen = t >= 0;
+      slots_out[r * width + k] = chosen ? r * capacity + t : -1;
+      valid_out[r * width + k] = chosen;
+      selected += chosen;
+    }
+  }
+  for (int64_t r = rows; r < max_rows; ++r) held_serials[r] = -1;
+  return {selected, context};
 }
 
 }  // namespace kvo_identity

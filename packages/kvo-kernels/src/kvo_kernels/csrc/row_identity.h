@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 namespace kvo_identity {
 
 // For batch rows r < rows: the row keeps its serial iff its stable prefix
@@ -22,5 +24,25 @@ void row_serials_cpu(const at::Tensor& block_table, const at::Tensor& seq_lens,
                      at::Tensor recorded_blocks, at::Tensor recorded_versions,
                      at::Tensor covered, at::Tensor serials, at::Tensor next_serial,
                      int64_t rows, int64_t block_size);
+
+}  // namespace kvo_identity
+
+namespace kvo_identity {
+
+// One decode step of batch rows r < rows that are all NOT_OFFLOADED (kvo-vllm's
+// offload_hot_rows: hot row r holds position p at slot p, positions [0, filled[r]) filled, for
+// the request with serial held[r]), each decoding one token. If every row holds this call's
+// request (held[r] == serials[r]) with [0, seq_len - 1) filled: copies each row's new
+// position p = seq_len - 1 from pool row block_table[r][p / block_size] * block_size +
+// p % block_size to hot row r * capacity + p, records filled[r] = seq_len and held = -1 for
+// rows >= rows, and writes, for each top-k entry t = topk[r][k], hot_slots[r][k] =
+// r * capacity + t and valid[r][k] = true (t < 0: -1 and false). Returns (selected entries,
+// sum of seq_lens). Otherwise returns (-1, 0) and changes nothing. Every argument, index and
+// top-k entry (< seq_len) is checked before anything changes; a refused call raises.
+std::tuple<int64_t, int64_t> identity_decode_step_cpu(
+    const at::Tensor& pool, at::Tensor hot, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const at::Tensor& serials, at::Tensor held, at::Tensor filled,
+    const at::Tensor& topk, at::Tensor hot_slots, at::Tensor valid, int64_t rows,
+    int64_t block_size, int64_t capacity);
 
 }  // namespace kvo_identity

@@ -55,6 +55,17 @@ class IdentityRows:
         self._filled_np = self._filled.numpy()
         self.any_held = False
 
+    @property
+    def held_serials(self) -> torch.Tensor:
+        """int64 [max_rows]: the serial each hot row holds at identity slots, -1 none (the
+        state itself, for kvo-kernels' ``identity_decode_step``, which advances it)."""
+        return self._serials
+
+    @property
+    def filled(self) -> torch.Tensor:
+        """int64 [max_rows]: how many leading positions each hot row holds (the state)."""
+        return self._filled
+
     def advance_decode_step(self, serials: np.ndarray, lens: np.ndarray) -> bool:
         """The steady state of short requests, in a handful of NumPy ops: if every batch row
         ``0..R-1`` (each decoding one token, ``lens`` its sequence length, all <= capacity)

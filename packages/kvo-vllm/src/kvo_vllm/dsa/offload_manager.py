@@ -59,6 +59,7 @@ from kvo_core.errors import ConfigError
 from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_kernels.host_copy import copy_residency_misses_host
+from kvo_kernels.host_identity import identity_decode_step_host
 from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
@@ -169,6 +170,10 @@ class OffloadManager:
             # token and the hot slot of its identity copy).
             self._fill_pos = torch.zeros(max_rows, 1, dtype=_I64)
             self._fill_pos_np = self._fill_pos.numpy()
+            # Such a step's answer with the native ops: each token's hot rows and validity,
+            # caller-owned (read by the layer's attention before the next layer call).
+            self._hot_slots = torch.empty(max_rows * top_k, dtype=_I64)
+            self._valid = torch.empty(max_rows * top_k, dtype=torch.bool)
             # With kvo's C++ host ops loaded, the serials come from its row_serials too.
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
@@ -489,6 +494,8 @@ class OffloadManager:
         ``serials``: the rows' :class:`RowIdentity` serials for this call."""
         requests = int(step.lens.shape[0])
         started = time.perf_counter()
+        if self.copy_implementation == "native" and topk.shape[1] <= self.top_k:
+            return self._native_identity_step(layer, topk, step, serials, started)
         if not self.identity_rows[layer].advance_decode_step(serials.numpy(), step.lens):
             return None
         new_pos = self._fill_pos_np[:requests]
@@ -518,6 +525,29 @@ class OffloadManager:
             identity_fills=filled))
         return SelectedRows(rows=self.hot[layer], valid=torch.from_numpy(valid).to(self.device),
                             slots=torch.from_numpy(hot_slots).to(self.device))
+
+    def _native_identity_step(self, layer: int, topk: torch.Tensor, step: StepInputs,
+                              serials: torch.Tensor, started: float) -> SelectedRows | None:
+        """:meth:`_gather_identity_step` in one C++ call (kvo-kernels'
+        ``identity_decode_step``: the same copies, state and answer)."""
+        requests, width = topk.shape
+        held = self.identity_rows[layer]
+        slots = self._hot_slots[:requests * width].view(requests, width)
+        valid = self._valid[:requests * width].view(requests, width)
+        answer = identity_decode_step_host(
+            self._pool_layers[layer], self.hot[layer], step.blocks, step.seq_lens, serials,
+            held.held_serials, held.filled, topk, slots, valid, rows=requests,
+            block_size=self.block_size, capacity=self.capacity)
+        if answer is None:
+            return None
+        selected, context = answer
+        self.stats.record(OffloadLayerStats(
+            layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
+            selected=selected, hits=selected, misses=0, h2d_bytes=0,
+            full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
+            residency_seconds=time.perf_counter() - started, identity_rows=requests,
+            identity_fills=requests))
+        return SelectedRows(rows=self.hot[layer], valid=valid, slots=slots)
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
