@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvo_kernels.errors import KernelArgumentError
-from kvo_kernels.host_identity import RowSerialsState, row_serials_host
+from kvo_kernels.host_identity import RowSerialsState, pool_write_rows_host, row_serials_host
 
 BLOCK, MAX_ROWS, MAX_BLOCKS, NUM_BLOCKS = 4, 3, 5, 16
 
@@ -80,3 +80,27 @@ def test_a_refused_call_changes_nothing() -> None:
                          block_size=BLOCK)
     for name, tensor in before.items():
         assert torch.equal(getattr(state, name), tensor), name
+
+
+def test_pool_write_rows_writes_notes_first_rows_and_refuses_cleanly() -> None:
+    pool = torch.zeros(NUM_BLOCKS * BLOCK, 2)
+    versions = torch.zeros(NUM_BLOCKS, dtype=torch.int64)
+    counter = torch.zeros(1, dtype=torch.int64)
+    rows = torch.arange(6.0).view(3, 2)
+    # slot 9 is inside block 2, -1 is skipped, 12 is block 3's first row
+    assert pool_write_rows_host(pool, rows, torch.tensor([9, -1, 12]), versions, counter,
+                                block_size=BLOCK) == 2
+    assert pool[9].tolist() == [0.0, 1.0] and pool[12].tolist() == [4.0, 5.0]
+    assert int(counter[0]) == 1 and versions.tolist() == [0, 0, 0, 1] + [0] * 12
+    assert pool_write_rows_host(pool, rows[:1], torch.tensor([13]), versions, counter,
+                                block_size=BLOCK) == 1
+    assert int(counter[0]) == 1          # no first row written: no new version
+    before = (pool.clone(), versions.clone(), counter.clone())
+    with pytest.raises(KernelArgumentError, match=r"slots\[1\] = 64 is outside the pool"):
+        pool_write_rows_host(pool, rows[:2], torch.tensor([0, 64]), versions, counter,
+                             block_size=BLOCK)
+    with pytest.raises(KernelArgumentError, match="do not match the pool's rows"):
+        pool_write_rows_host(pool, rows.double(), torch.tensor([0, 1, 2]), versions, counter,
+                             block_size=BLOCK)
+    assert torch.equal(pool, before[0]) and torch.equal(versions, before[1])
+    assert torch.equal(counter, before[2])

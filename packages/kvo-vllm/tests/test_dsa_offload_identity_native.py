@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kvo_kernels.host_identity import pool_write_rows_host
 from kvo_vllm.dsa.offload_identity import RowIdentity
 
 BS, MAX_ROWS, MAX_BLOCKS, NUM_BLOCKS = 4, 4, 6, 20
@@ -72,3 +73,30 @@ def test_native_serials_equal_the_numpy_reference(seed: int) -> None:
             lens[r] = rng.randrange(1, 2 * BS)
     fresh = int(numpy_rows.state.next_serial[0])
     assert 0.05 * row_calls < fresh < 0.7 * row_calls   # both keeping and renewing exercised
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_pool_write_notes_the_same_block_versions(seed: int) -> None:
+    """kvo-kernels' pool_write_rows (the manager's write with the native ops) writes the rows
+    and renews the same block versions, with the same counter, as note_writes."""
+    rng = random.Random(seed)
+    numpy_rows, native_rows = _pair()
+    pool = torch.zeros(NUM_BLOCKS * BS, 3)
+    want = torch.zeros_like(pool)
+    for _ in range(50):
+        count = rng.randrange(1, 6)
+        picks = [rng.choice([-1, rng.randrange(NUM_BLOCKS) * BS,
+                             rng.randrange(NUM_BLOCKS * BS)]) for _ in range(count)]
+        slots = torch.tensor([p for i, p in enumerate(picks)     # vLLM: no slot twice
+                              if p < 0 or p not in picks[:i]])
+        count = int(slots.numel())
+        rows = torch.randn(count, 3)
+        numpy_rows.note_writes(slots)
+        keep = slots >= 0
+        want[slots[keep]] = rows[keep]
+        written = pool_write_rows_host(pool, rows, slots, native_rows.state.versions,
+                                       native_rows.write_counter, block_size=BS)
+        assert written == int(keep.sum())
+        assert torch.equal(pool, want)
+        _same_state(numpy_rows, native_rows)
+        assert torch.equal(native_rows.write_counter, numpy_rows.write_counter)

@@ -65,3 +65,19 @@ def identity_decode_step_host(pool: torch.Tensor, hot: torch.Tensor, block_table
     if selected < 0:
         return None
     return int(selected), int(context)
+
+
+def pool_write_rows_host(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                         versions: torch.Tensor, write_counter: torch.Tensor, *,
+                         block_size: int) -> int:
+    """``pool[slots[i]] = rows[i]`` (slots < 0 skipped) and the block versions of kvo-vllm's
+    ``RowIdentity.note_writes`` (a block written at its first row gets the next write
+    counter), in one call; returns the rows written. A refused call (a slot outside the pool,
+    rows that do not match its rows) changes nothing and raises :class:`KernelArgumentError`."""
+    module = load_native_ops()
+    try:
+        written: int = module.pool_write_rows(pool, rows, slots, versions, write_counter,
+                                              block_size)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise KernelArgumentError(f"pool_write_rows (host op): {error}") from None
+    return written

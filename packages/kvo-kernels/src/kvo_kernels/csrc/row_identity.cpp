@@ -220,3 +220,50 @@ std::tuple<int64_t, int64_t> identity_decode_step_cpu(
 }
 
 }  // namespace kvo_identity
+
+namespace kvo_identity {
+
+int64_t pool_write_rows_cpu(at::Tensor pool, const at::Tensor& rows, const at::Tensor& slots,
+                            at::Tensor versions, at::Tensor write_counter, int64_t block_size) {
+  constexpr const char* op = "pool_write_rows";
+  TORCH_CHECK_VALUE(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
+  TORCH_CHECK_VALUE(pool.device().is_cpu() && rows.device().is_cpu() && pool.is_contiguous() &&
+                        rows.is_contiguous() && pool.dim() >= 1 && rows.dim() >= 1,
+                    op, ": pool and rows must be contiguous CPU tensors with a row dimension");
+  TORCH_CHECK_VALUE(pool.scalar_type() == rows.scalar_type() &&
+                        pool.sizes().slice(1) == rows.sizes().slice(1),
+                    op, ": rows ", rows.sizes(), " ", rows.scalar_type(),
+                    " do not match the pool's rows ", pool.sizes(), " ", pool.scalar_type());
+  TORCH_CHECK_VALUE(versions.dim() == 1, op, ": versions must be 1-D");
+  const int64_t num_blocks = versions.size(0);
+  int64_t* block_versions = state(versions, "versions", {num_blocks}, op);
+  int64_t* counter = state(write_counter, "write_counter", {1}, op);
+  const int64_t count = rows.size(0);
+  const Ints where(slots, "slots", 1, count, op);
+  const int64_t pool_rows = pool.size(0);
+  bool first_row = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t slot = where.at(i);
+    if (slot < 0) continue;
+    TORCH_CHECK_INDEX(slot < pool_rows && slot / block_size < num_blocks, op, ": slots[", i,
+                      "] = ", slot, " is outside the pool's ", pool_rows, " rows");
+    first_row = first_row || slot % block_size == 0;
+  }
+  const int64_t row_bytes =
+      (pool.numel() / std::max<int64_t>(pool_rows, 1)) * static_cast<int64_t>(pool.element_size());
+  char* pool_base = static_cast<char*>(pool.data_ptr());
+  const char* rows_base = static_cast<const char*>(rows.data_ptr());
+  if (first_row) ++counter[0];
+  int64_t written = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t slot = where.at(i);
+    if (slot < 0) continue;
+    std::memcpy(pool_base + slot * row_bytes, rows_base + i * row_bytes,
+                static_cast<size_t>(row_bytes));
+    if (slot % block_size == 0) block_versions[slot / block_size] = counter[0];
+    ++written;
+  }
+  return written;
+}
+
+}  // namespace kvo_identity

@@ -46,3 +46,17 @@ std::tuple<int64_t, int64_t> identity_decode_step_cpu(
     int64_t block_size, int64_t capacity);
 
 }  // namespace kvo_identity
+
+namespace kvo_identity {
+
+// The offload path's write of one layer call: pool[slots[i]] = rows[i] for i < rows.size(0)
+// (slots < 0 skipped), and, when some written slot is a block's first row (slot % block_size
+// == 0: a block handed to a new owner is always written from there), write_counter[0] += 1 and
+// versions[slot / block_size] = write_counter[0] for each such block (kvo-vllm's
+// RowIdentity.note_writes). pool and rows contiguous CPU, same dtype and row shape; slots
+// int32 or int64 1-D [>= rows]; versions [num_blocks] and write_counter [1] int64. Checks
+// everything first: a refused call changes nothing. Returns the rows written.
+int64_t pool_write_rows_cpu(at::Tensor pool, const at::Tensor& rows, const at::Tensor& slots,
+                            at::Tensor versions, at::Tensor write_counter, int64_t block_size);
+
+}  // namespace kvo_identity

@@ -56,7 +56,10 @@ class RowIdentity:
             serials=torch.full((max_rows,), -1, dtype=torch.int64),
             next_serial=torch.zeros(1, dtype=torch.int64))
         self._versions = self.state.versions.numpy()
-        self._write_counter = 0
+        # Bumped by every call that writes some block's first row (a tensor: kvo-kernels'
+        # pool_write_rows advances it in the write itself).
+        self.write_counter = torch.zeros(1, dtype=torch.int64)
+        self._write_counter = self.write_counter.numpy()
         self._blocks = self.state.recorded_blocks.numpy()
         self._block_versions = self.state.recorded_versions.numpy()
         self._covered = self.state.covered.numpy()
@@ -74,8 +77,8 @@ class RowIdentity:
         """:meth:`note_writes` of int64 slot ids ``[N]`` already in NumPy."""
         first_rows = written[(written >= 0) & (written % self.block_size == 0)]
         if first_rows.size:
-            self._write_counter += 1
-            self._versions[first_rows // self.block_size] = self._write_counter
+            self._write_counter[0] += 1
+            self._versions[first_rows // self.block_size] = self._write_counter[0]
 
     def serials(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 query_lens: torch.Tensor) -> torch.Tensor:
@@ -101,12 +104,12 @@ class RowIdentity:
         # block was rewritten since, every row kept its serial and has a stable prefix: then
         # the comparison below would keep every serial and record the same state again.
         last = self._last_table
-        if (last is not None and self._last_counter == self._write_counter
+        if (last is not None and self._last_counter == int(self._write_counter[0])
                 and last.shape == blocks.shape and (covered == self._covered[:rows]).all()
                 and (stable >= 1).all() and (self._serials[:rows] >= 0).all()
                 and np.array_equal(last, blocks)):
             return torch.from_numpy(self._serials[:rows].copy())
-        self._last_table, self._last_counter = blocks, self._write_counter
+        self._last_table, self._last_counter = blocks, int(self._write_counter[0])
         cols = np.arange(width, dtype=_I64)[None, :]
         in_cover = cols < covered[:, None]
         versions = np.where(in_cover, self._versions[np.maximum(blocks, 0)], -1)

@@ -59,7 +59,7 @@ from kvo_core.errors import ConfigError
 from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_kernels.host_copy import copy_residency_misses_host
-from kvo_kernels.host_identity import identity_decode_step_host
+from kvo_kernels.host_identity import identity_decode_step_host, pool_write_rows_host
 from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
@@ -252,6 +252,15 @@ class OffloadManager:
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write main-KV rows ``[N, row_dim]`` at vLLM slots ``[>= N]`` (-1 = skip)."""
+        if self.copy_implementation == "native" and self.fused is None:
+            # One C++ call: the copies and the block versions of note_writes.
+            identity = self.identity[layer]
+            pool_write_rows_host(
+                self._pool_layers[layer],
+                rows.to(device="cpu", dtype=self.layout.kv_dtype).contiguous(),
+                slots if slots.dim() == 1 else slots.reshape(-1), identity.state.versions,
+                identity.write_counter, block_size=self.block_size)
+            return
         # Index arithmetic in NumPy (one dispatch per PyTorch op costs more than the work).
         wanted = slots.reshape(-1)[:rows.shape[0]].cpu().numpy().astype(np.int64, copy=False)
         keep = wanted >= 0
