@@ -31,7 +31,7 @@ CSRC = Path(__file__).parent / "csrc"
 EXTENSION_PREFIX = "kvo_native_ops"
 SOURCES = ("residency.cpp", "sparse_copy.cpp", "row_identity.cpp")
 HEADERS = ("residency_rows.h", "lru_log.h", "residency_scan.h", "sparse_copy.h",
-           "row_identity.h")
+           "row_identity.h", "index_matrix.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 

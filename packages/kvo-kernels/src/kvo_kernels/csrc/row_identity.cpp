@@ -5,6 +5,8 @@
 
 #include "row_identity.h"
 
+#include "index_matrix.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,37 +19,6 @@ namespace {
 
 constexpr const char* kOp = "row_serials";
 
-// Element [r][c] of a CPU int32/int64 tensor as int64 (1-D: c is ignored).
-class Ints {
- public:
-  Ints(const at::Tensor& t, const char* name, int64_t dims, int64_t min_rows,
-       const char* op = kOp)
-      : tensor_(t.contiguous()) {
-    TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ",
-                      t.device());
-    TORCH_CHECK_VALUE(t.dim() == dims, op, ": ", name, " must be ", dims, "-D, got shape ",
-                      t.sizes());
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ",
-                      name, " must be int32 or int64, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.size(0) >= min_rows, op, ": ", name, " has ", t.size(0),
-                      " rows, the call names ", min_rows);
-    wide_ = tensor_.scalar_type() == at::kLong;
-    data_ = tensor_.data_ptr();
-    width_ = dims == 2 ? tensor_.size(1) : 1;
-  }
-  int64_t at(int64_t r, int64_t c = 0) const {
-    const int64_t i = r * width_ + c;
-    return wide_ ? static_cast<const int64_t*>(data_)[i]
-                 : static_cast<int64_t>(static_cast<const int32_t*>(data_)[i]);
-  }
-  int64_t width() const { return width_; }
-
- private:
-  at::Tensor tensor_;
-  const void* data_ = nullptr;
-  bool wide_ = true;
-  int64_t width_ = 1;
-};
 
 // A state tensor: int64, contiguous, on the CPU, of the given shape.
 int64_t* state(at::Tensor& t, const char* name, at::IntArrayRef shape, const char* op = kOp) {
@@ -82,9 +53,9 @@ void row_serials_cpu(const at::Tensor& block_table, const at::Tensor& seq_lens,
   const int64_t num_blocks = versions.size(0);
   const int64_t* block_versions = state(const_cast<at::Tensor&>(versions), "versions",
                                         {num_blocks});
-  const Ints table(block_table, "block_table", 2, rows);
-  const Ints lens(seq_lens, "seq_lens", 1, rows);
-  const Ints queries(query_lens, "query_lens", 1, rows);
+  const kvo_host::IndexMatrix table(block_table, kOp, "block_table", 2, rows);
+  const kvo_host::IndexMatrix lens(seq_lens, kOp, "seq_lens", 1, rows);
+  const kvo_host::IndexMatrix queries(query_lens, kOp, "query_lens", 1, rows);
   const int64_t width = std::min(table.width(), max_blocks);
 
   // Pass 1, nothing changes: every covered block must be a pool block.
@@ -151,10 +122,10 @@ std::tuple<int64_t, int64_t> identity_decode_step_cpu(
                     op, ": pool and hot rows differ in dtype or shape");
   TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
                     capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
-  const Ints table(block_table, "block_table", 2, rows, op);
-  const Ints lens(seq_lens, "seq_lens", 1, rows, op);
-  const Ints request(serials, "serials", 1, rows, op);
-  const Ints picks(topk, "topk", 2, rows, op);
+  const kvo_host::IndexMatrix table(block_table, op, "block_table", 2, rows);
+  const kvo_host::IndexMatrix lens(seq_lens, op, "seq_lens", 1, rows);
+  const kvo_host::IndexMatrix request(serials, op, "serials", 1, rows);
+  const kvo_host::IndexMatrix picks(topk, op, "topk", 2, rows);
   const int64_t width = picks.width();
   TORCH_CHECK_VALUE(hot_slots.device().is_cpu() && hot_slots.scalar_type() == at::kLong &&
                         hot_slots.is_contiguous() && hot_slots.dim() == 2 &&
@@ -239,7 +210,7 @@ int64_t pool_write_rows_cpu(at::Tensor pool, const at::Tensor& rows, const at::T
   int64_t* block_versions = state(versions, "versions", {num_blocks}, op);
   int64_t* counter = state(write_counter, "write_counter", {1}, op);
   const int64_t count = rows.size(0);
-  const Ints where(slots, "slots", 1, count, op);
+  const kvo_host::IndexMatrix where(slots, op, "slots", 1, count);
   const int64_t pool_rows = pool.size(0);
   bool first_row = false;
   for (int64_t i = 0; i < count; ++i) {

@@ -13,6 +13,8 @@
 
 #include "sparse_copy.h"
 
+#include "index_matrix.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -78,37 +80,6 @@ bool overlaps(std::pair<const char*, const char*> a, std::pair<const char*, cons
   return a.first < b.second && b.first < a.second;
 }
 
-// Element [r][c] of a CPU int32/int64 index tensor as int64 (rows `stride` elements apart).
-class IndexMatrix {
- public:
-  IndexMatrix(const at::Tensor& t, const char* name, int64_t dims, int64_t min_rows)
-      : tensor_(t.contiguous()) {
-    const char* op = "copy_residency_misses";
-    TORCH_CHECK_VALUE(t.device().is_cpu(), op, " (host): ", name, " must be a CPU tensor, got ",
-                      t.device());
-    TORCH_CHECK_VALUE(t.dim() == dims, op, ": ", name, " must be ", dims, "-D, got shape ",
-                      t.sizes());
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ",
-                      name, " must be int32 or int64, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.size(0) >= min_rows, op, ": ", name, " has ", t.size(0),
-                      " rows, the call names ", min_rows);
-    wide_ = tensor_.scalar_type() == at::kLong;
-    data_ = tensor_.data_ptr();
-    width_ = dims == 2 ? tensor_.size(1) : 1;
-  }
-  int64_t at(int64_t r, int64_t c = 0) const {
-    const int64_t i = r * width_ + c;
-    return wide_ ? static_cast<const int64_t*>(data_)[i]
-                 : static_cast<int64_t>(static_cast<const int32_t*>(data_)[i]);
-  }
-  int64_t width() const { return width_; }
-
- private:
-  at::Tensor tensor_;
-  const void* data_ = nullptr;
-  bool wide_ = true;
-  int64_t width_ = 1;
-};
 
 }  // namespace
 
@@ -128,10 +99,10 @@ int64_t copy_residency_misses_cpu(const at::Tensor& pool, at::Tensor hot,
                     ") >= 1");
   TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
                     capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
-  const IndexMatrix table(block_table, "block_table", 2, rows);
-  const IndexMatrix counts(miss_counts, "miss_counts", 1, rows);
-  const IndexMatrix tokens(miss_tokens, "miss_tokens", 2, rows);
-  const IndexMatrix slots(miss_slots, "miss_slots", 2, rows);
+  const kvo_host::IndexMatrix table(block_table, op, "block_table", 2, rows);
+  const kvo_host::IndexMatrix counts(miss_counts, op, "miss_counts", 1, rows);
+  const kvo_host::IndexMatrix tokens(miss_tokens, op, "miss_tokens", 2, rows);
+  const kvo_host::IndexMatrix slots(miss_slots, op, "miss_slots", 2, rows);
   TORCH_CHECK_VALUE(tokens.width() == slots.width(), op, ": miss_tokens has ", tokens.width(),
                     " columns, miss_slots ", slots.width());
   const int64_t pool_rows = pool.size(0);

@@ -524,14 +524,8 @@ class OffloadManager:
         picks = topk.numpy()
         valid = picks >= 0
         hot_slots = np.where(valid, picks + self._row_base[:requests], -1)
-        selected = int(np.count_nonzero(valid))
-        context = int(step.lens.sum())
-        self.stats.record(OffloadLayerStats(
-            layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
-            selected=selected, hits=selected, misses=0, h2d_bytes=0,
-            full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
-            residency_seconds=time.perf_counter() - started, identity_rows=requests,
-            identity_fills=filled))
+        self._record_identity_step(layer, requests, int(np.count_nonzero(valid)),
+                                   int(step.lens.sum()), filled, started)
         return SelectedRows(rows=self.hot[layer], valid=torch.from_numpy(valid).to(self.device),
                             slots=torch.from_numpy(hot_slots).to(self.device))
 
@@ -550,13 +544,18 @@ class OffloadManager:
         if answer is None:
             return None
         selected, context = answer
+        self._record_identity_step(layer, requests, selected, context, requests, started)
+        return SelectedRows(rows=self.hot[layer], valid=valid, slots=slots)
+
+    def _record_identity_step(self, layer: int, requests: int, selected: int, context: int,
+                              filled: int, started: float) -> None:
+        """The counters of a step whose rows all stayed NOT_OFFLOADED (every entry a hit)."""
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=requests, decode_tokens=requests, pool_rows=0,
             selected=selected, hits=selected, misses=0, h2d_bytes=0,
             full_reload_bytes=context * self.row_bytes, pool_rows_used=context,
             residency_seconds=time.perf_counter() - started, identity_rows=requests,
-            identity_fills=requests))
-        return SelectedRows(rows=self.hot[layer], valid=valid, slots=slots)
+            identity_fills=filled))
 
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
