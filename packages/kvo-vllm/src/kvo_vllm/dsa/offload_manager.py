@@ -29,8 +29,8 @@ Per layer call:
    (``seq_len <= capacity``) is NOT_OFFLOADED instead: its hot row holds position ``p`` at
    slot ``p``, filled from the pool once per position (``offload_hot_rows``), and its top-k
    is read as ``hot[row * capacity + p]``: no residency update, no miss copy (a step whose
-   rows all stay NOT_OFFLOADED copies each row's new position and answers with slots, in a
-   handful of NumPy ops and one C++ copy call with the native ops). The call its
+   rows all stay NOT_OFFLOADED copies each row's new position and answers with slots: one
+   C++ call, ``identity_decode_step``, with the native ops). The call its
    sequence outgrows the row it goes FIRST_OFFLOAD (the table resets the row and copies the
    selection, ascending), then STEADY. Batches with no such row take the paths above
    unchanged (``_identity_in_play``).
@@ -166,10 +166,6 @@ class OffloadManager:
             self._row_base = np.arange(max_rows, dtype=np.int64)[:, None] * capacity
             self._columns_np = np.arange(row_width, dtype=np.int64)
             self._one_token = torch.ones(max_rows, dtype=_I64)   # query lens of a decode step
-            # A NOT_OFFLOADED decode step's one new position per row, [max_rows, 1] (both the
-            # token and the hot slot of its identity copy).
-            self._fill_pos = torch.zeros(max_rows, 1, dtype=_I64)
-            self._fill_pos_np = self._fill_pos.numpy()
             # Such a step's answer with the native ops: each token's hot rows and validity,
             # caller-owned (read by the layer's attention before the next layer call).
             self._hot_slots = torch.empty(max_rows * top_k, dtype=_I64)
@@ -507,20 +503,11 @@ class OffloadManager:
             return self._native_identity_step(layer, topk, step, serials, started)
         if not self.identity_rows[layer].advance_decode_step(serials.numpy(), step.lens):
             return None
-        new_pos = self._fill_pos_np[:requests]
-        np.subtract(step.lens, 1, out=new_pos[:, 0])
-        if self.copy_implementation == "native":
-            filled = copy_residency_misses_host(
-                self._pool_layers[layer], self.hot[layer], step.blocks,
-                self._one_token[:requests], self._fill_pos[:requests],
-                self._fill_pos[:requests], rows=requests, block_size=self.block_size,
-                capacity=self.capacity)
-        else:
-            rows = torch.arange(requests, dtype=_I64)
-            filled = self._fill_identity_rows(layer, IdentityPlan(
-                identity=torch.ones(requests, dtype=torch.bool),
-                first=torch.zeros(requests, dtype=torch.bool), fill_rows=rows,
-                fill_pos=self._fill_pos[:requests, 0].clone()), step.blocks)
+        filled = self._fill_identity_rows(layer, IdentityPlan(   # each row's new position
+            identity=torch.ones(requests, dtype=torch.bool),
+            first=torch.zeros(requests, dtype=torch.bool),
+            fill_rows=torch.arange(requests, dtype=_I64),
+            fill_pos=torch.from_numpy(step.lens - 1)), step.blocks)
         picks = topk.numpy()
         valid = picks >= 0
         hot_slots = np.where(valid, picks + self._row_base[:requests], -1)
