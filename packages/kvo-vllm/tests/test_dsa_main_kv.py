@@ -107,3 +107,57 @@ def _bad_mode_config() -> SparseDecodeOffloadConfig:
     config = SparseDecodeOffloadConfig(top_k=3, block_size=BLOCK, hot_capacity=8)
     object.__setattr__(config, "mode", "remote")  # bypass validation: the factory checks too
     return config
+
+
+def _written_cache(cache: torch.Tensor, table: torch.Tensor, lengths: list[int],
+                   seed: int) -> dict[int, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = {r: torch.randn(n, WIDTH, generator=generator) for r, n in enumerate(lengths)}
+    strategy = PagedMainKV(_layer())
+    for r, n in enumerate(lengths):
+        positions = torch.arange(n)
+        slots = table.long()[r, positions // BLOCK] * BLOCK + positions % BLOCK
+        strategy.write(cache, rows[r], slots, None)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["own allocation", "layer-major shared allocation"])
+def test_an_evenly_spaced_cache_is_read_by_slot_with_the_same_bits(layout: str) -> None:
+    """A layer cache whose rows are evenly spaced (its own tensor, or one layer's contiguous
+    part of a layer-major allocation, at a storage offset) is answered as a flat view plus
+    slots, never copied; attention over it gives the bits of attention over gathered rows."""
+    if layout == "own allocation":
+        cache = torch.zeros(6, BLOCK, WIDTH)
+    else:
+        cache = torch.zeros(2, 6, BLOCK, WIDTH)[1]
+        assert cache.storage_offset() > 0
+    table = torch.tensor([[5, 2], [0, 3]], dtype=torch.int32)
+    rows = _written_cache(cache, table, [7, 5], seed=2)
+    topk = torch.tensor([[5, 0, -1, 6], [4, 2, 3, 0], [1, -1, -1, -1]])
+    metadata = _Metadata(table, torch.tensor([0, 1, 1]))
+    selected = PagedMainKV(_layer()).gather(cache, topk, metadata)
+    assert selected.slots is not None
+    assert selected.rows.data_ptr() == cache.data_ptr()  # a view of vLLM's cache, no copy
+    assert selected.slots.tolist()[0][2] == -1 and selected.slots.tolist()[2][1:] == [-1] * 3
+    gathered, valid = selected.materialized()
+    assert torch.equal(valid, topk >= 0)
+    assert torch.equal(gathered[0, [0, 1, 3]], rows[0][[5, 0, 6]])
+    assert torch.equal(gathered[1], rows[1][[4, 2, 3, 0]])
+    assert torch.equal(gathered[2, 0], rows[1][1])
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 2, LATENT, generator=generator)
+    query_rope = torch.randn(3, 2, ROPE, generator=generator)
+    got = attend_selected(query, query_rope, selected, LATENT, 0.3)
+    want = attend_rows(query, query_rope, gathered, valid, LATENT, 0.3)
+    assert torch.equal(got, want)
+
+
+def test_an_interleaved_cache_is_gathered_as_a_copy() -> None:
+    cache = torch.zeros(6, 2, BLOCK, WIDTH)[:, 0]  # rows of two layers interleaved per block
+    table = torch.tensor([[5, 2]], dtype=torch.int32)
+    rows = _written_cache(cache, table, [6], seed=4)
+    selected = PagedMainKV(_layer()).gather(cache, torch.tensor([[5, 1, -1]]),
+                                            _Metadata(table, torch.tensor([0])))
+    assert selected.slots is None
+    assert torch.equal(selected.rows[0, :2], rows[0][[5, 1]])

@@ -225,10 +225,17 @@ def test_pool_really_read_and_misses_copied_once(backend: str) -> None:
         assert manager.stats.last[0].misses == 3          # 1, 2 and the new 10; 5 resident
         assert torch.equal(out[0, 0], rows[5])
         assert torch.equal(out[0, 1:4], rows[[1, 2, 10]])
-        # A prefill-length query reads the pool itself: the changed row shows.
-        out, _ = manager.gather(0, torch.tensor([[5, -1, -1, -1, -1, -1]] * 3),
-                                torch.tensor([0, 3]), torch.tensor([11]), table)
+        # A prefill-length query reads the pool itself (by slot, no gathered copy): the
+        # changed row shows.
+        prefill_topk = torch.tensor([[5, -1, -1, -1, -1, -1]] * 3)
+        out, _ = manager.gather(0, prefill_topk, torch.tensor([0, 3]), torch.tensor([11]), table)
         assert bool((out[:, 0] == -1.0).all())
+        step = manager.step_inputs(torch.tensor([0, 3]), torch.tensor([11]), table)
+        selected = manager.gather_selected(0, prefill_topk, step)
+        assert selected.slots is not None
+        assert selected.rows.data_ptr() == manager.pool_layer(0).data_ptr()
+        assert selected.slots[:, 0].tolist() == [int(slots[5])] * 3
+        assert bool((selected.slots[:, 1:] == -1).all())
     finally:
         manager.close()
 

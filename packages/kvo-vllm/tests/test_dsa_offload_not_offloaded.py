@@ -82,10 +82,10 @@ class _Harness:
             self.m.write(layer, rows, slots)
             self.resident.write(self.caches[layer], rows, slots, None)
             out, valid = self.m.gather(layer, picks, qsl, seq_lens, table)
-            want = self.resident.gather(self.caches[layer], picks,
-                                        _Metadata(table, token_request))
-            assert torch.equal(valid, want.valid)
-            assert torch.equal(out[valid], want.rows[want.valid])
+            want_rows, want_valid = self.resident.gather(
+                self.caches[layer], picks, _Metadata(table, token_request)).materialized()
+            assert torch.equal(valid, want_valid)
+            assert torch.equal(out[valid], want_rows[want_valid])
             assert bool(torch.isfinite(out[~valid]).all())  # padding: anything (main_kv)
             stats.append(self.m.stats.last[layer])
         for r, q in batch:

@@ -7,8 +7,9 @@ kvo's sparse MLA attention (:mod:`kvo_vllm.dsa.backend`) runs in three steps per
    part: ``D = kv_lora_rank + qk_rope_head_dim`` per row) go wherever this strategy keeps them,
    at the slots vLLM's ``slot_mapping`` names;
 2. ``gather``: for each query token the rows of its top-k selection (request-local positions
-   from the indexer, -1 padded), as ``[T, K, D]`` in top-k order, plus the ``[T, K]`` validity
-   mask (False where the selection is padding; such rows may hold anything);
+   from the indexer, -1 padded), as ``[T, K, D]`` in top-k order or as a cache the attention
+   reads by slot (:class:`SelectedRows`), plus the ``[T, K]`` validity mask (False where the
+   selection is padding; such rows may hold anything);
 3. attention over those rows with kvo-kernels' reference ``sparse_mla_attention`` (the backend
    does this, not the strategy), so the arithmetic is identical whichever strategy produced
    the rows: resident and offload must give identical tokens and logprobs.
@@ -157,7 +158,26 @@ class PagedMainKV:
         positions = topk.clamp(min=0).to(torch.int64)
         tables = metadata.block_table.to(torch.int64)[metadata.token_request]   # [T, blocks]
         blocks = torch.gather(tables, 1, positions // block_size)
-        return SelectedRows(rows=cache[blocks, positions % block_size], valid=valid)
+        flat = flat_rows(cache)
+        if flat is None:  # rows not evenly spaced in memory: gather a copy
+            return SelectedRows(rows=cache[blocks, positions % block_size], valid=valid)
+        # The attention reads the selected rows straight from vLLM's cache: one pass over
+        # them instead of a gathered copy read again (the same rows in the same order).
+        slots = blocks * block_size + positions % block_size
+        return SelectedRows(rows=flat, valid=valid,
+                            slots=torch.where(valid, slots, torch.full_like(slots, -1)))
+
+
+def flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """``cache`` [num_blocks, block_size, D] as a ``[num_blocks * block_size, D]`` view whose
+    row ``block * block_size + offset`` is ``cache[block, offset]``, or None where no such view
+    exists (a layer's rows interleaved with another's in one allocation). A view, never a
+    copy: ``reshape`` would copy a whole strided cache."""
+    num_blocks, block_size, width = cache.shape
+    if cache.stride(2) != 1 or (num_blocks > 1
+                                and cache.stride(0) != block_size * cache.stride(1)):
+        return None
+    return cache.as_strided((num_blocks * block_size, width), (cache.stride(1), 1))
 
 
 def make_main_kv_access(layer: LayerInfo) -> MainKVAccess:

@@ -327,6 +327,11 @@ class OffloadManager:
         self.identity[layer].forget(~decode)
         hot = self.hot[layer]
         pool = self.pool_layer(layer)
+        if not bool(decode.any()) and pool.device == self.device:
+            # No decode row: attention reads the pool by slot, no gathered copy.
+            self._record_step(layer, decode, decode_tok, seq_lens)
+            slots = torch.where(valid, pool_rows, torch.full_like(pool_rows, -1))
+            return SelectedRows(rows=pool, valid=valid, slots=slots)
         out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
                           device=self.device)
 
@@ -345,13 +350,20 @@ class OffloadManager:
             out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
         out[~valid.to(self.device)] = 0
 
+        self._record_step(layer, decode, decode_tok, seq_lens, selected, hits, misses,
+                          residency_seconds)
+        return SelectedRows(rows=out, valid=valid.to(self.device))
+
+    def _record_step(self, layer: int, decode: torch.Tensor, decode_tok: torch.Tensor,
+                     seq_lens: torch.Tensor, selected: int = 0, hits: int = 0, misses: int = 0,
+                     residency_seconds: float = 0.0) -> None:
+        """The general path's per-layer stats (``decode``: which requests decode)."""
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
             pool_rows=int((~decode).sum()),
             selected=selected, hits=hits, misses=misses, h2d_bytes=misses * self.row_bytes,
             full_reload_bytes=int(seq_lens[decode].sum()) * self.row_bytes,
             pool_rows_used=int(seq_lens.sum()), residency_seconds=residency_seconds))
-        return SelectedRows(rows=out, valid=valid.to(self.device))
 
     def step_inputs(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor) -> StepInputs:
