@@ -58,6 +58,10 @@ def index_range(name: str, value: torch.Tensor, low: int, high: int,
     """Every entry in [low, high), or -1 where padding is allowed."""
     if value.numel() == 0:
         return
+    smallest_any, largest_any = (int(bound) for bound in torch.aminmax(value))
+    if largest_any < high and (smallest_any >= low or (allow_pad and low == 0
+                                                       and smallest_any == -1)):
+        return  # one pass; with low 0, -1 is the only value below low that may appear
     entries = value[value != -1] if allow_pad else value
     if entries.numel() == 0:
         return

@@ -332,8 +332,16 @@ class OffloadManager:
             self._record_step(layer, decode, decode_tok, seq_lens)
             slots = torch.where(valid, pool_rows, torch.full_like(pool_rows, -1))
             return SelectedRows(rows=pool, valid=valid, slots=slots)
-        out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
-                          device=self.device)
+        same_device = pool.device == self.device
+        if same_device:
+            # Every token's rows straight from the pool in one pass (a mixed step is mostly
+            # prefill tokens); the decode tokens' rows are then replaced by their hot rows.
+            # Padding holds the row of the request's position 0: finite, and masked.
+            out = torch.index_select(pool, 0, pool_rows.view(-1)).view(
+                count, width, self.layout.row_dim)
+        else:
+            out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
+                              device=self.device)
 
         selected = hits = misses = 0
         residency_seconds = 0.0
@@ -345,10 +353,11 @@ class OffloadManager:
             residency_seconds = time.perf_counter() - started
             selected = int(valid[decode_tok].sum())
             hits = selected - misses
-        direct = ~decode_tok
-        if bool(direct.any()):
-            out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
-        out[~valid.to(self.device)] = 0
+        if not same_device:
+            direct = ~decode_tok
+            if bool(direct.any()):
+                out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
+            out[~valid.to(self.device)] = 0
 
         self._record_step(layer, decode, decode_tok, seq_lens, selected, hits, misses,
                           residency_seconds)
