@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
@@ -74,10 +75,37 @@ def scores_for_tokens(query: torch.Tensor, weights: torch.Tensor, keys: torch.Te
 def select_topk(query: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                 layout: IndexerKeyLayout, metadata: KvoIndexerMetadata, top_k: int
                 ) -> torch.Tensor:
-    """Causal top-k request-local positions per query token, [T, top_k] int64 (-1 padded)."""
+    """Causal top-k request-local positions per query token, [T, top_k] int64 (-1 padded).
+
+    Requests are scored in the groups the metadata names (a mixed step's prefill apart from
+    its decodes); a token's selection depends only on its own row of scores, so the groups
+    change the work, not the answer's meaning."""
+    query, weights = layout.encode_query(query), weights.float()
+    if metadata.groups is None:
+        return _select_group(query, weights, cache, layout, metadata, top_k)
+    out = torch.empty(query.shape[0], top_k, dtype=torch.int64)
+    for group in metadata.groups:
+        part = attrs.evolve(
+            metadata, num_actual_tokens=int(group.tokens.shape[0]),
+            num_reqs=int(group.rows.shape[0]), max_seq_len=group.max_seq_len,
+            max_query_len=group.max_query_len,
+            slot_mapping=metadata.slot_mapping[group.tokens],
+            block_table=metadata.block_table[group.rows], seq_lens=metadata.seq_lens[group.rows],
+            token_request=group.token_request,
+            token_position=metadata.token_position[group.tokens],
+            token_local_index=metadata.token_local_index[group.tokens], groups=None)
+        out[group.tokens] = _select_group(query[group.tokens], weights[group.tokens], cache,
+                                          layout, part, top_k)
+    return out
+
+
+def _select_group(query: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
+                  layout: IndexerKeyLayout, metadata: KvoIndexerMetadata, top_k: int
+                  ) -> torch.Tensor:
+    """``select_topk`` of one group (query already encoded, weights float32)."""
     keys = gather_request_keys(cache, layout, metadata.block_table, metadata.num_reqs,
                                metadata.max_seq_len)
-    scores = scores_for_tokens(layout.encode_query(query), weights.float(), keys, metadata)
+    scores = scores_for_tokens(query, weights, keys, metadata)
     return topk_indices(scores, top_k, metadata.token_position + 1)
 
 

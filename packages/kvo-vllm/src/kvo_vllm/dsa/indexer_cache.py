@@ -37,6 +37,7 @@ from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
 from kvo_kernels.reference.primitives import hadamard_quant_int8
+from kvo_vllm.dsa.indexer_groups import IndexerGroup, build_groups
 from kvo_vllm.dsa.offload_fused import IndexerInputs
 
 INT8_SCALE_BYTES = 2
@@ -143,6 +144,8 @@ class KvoIndexerMetadata(AttentionMetadata):
     token_request: torch.Tensor    # [T] int64: the request (batch row) of each query token
     token_position: torch.Tensor   # [T] int64: its absolute position in the request
     token_local_index: torch.Tensor  # [T] int64: its index among the request's query tokens
+    groups: tuple[IndexerGroup, ...] | None = None
+    """Requests scored apart (:mod:`kvo_vllm.dsa.indexer_groups`); None: all together."""
 
 
 def token_layout(common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
@@ -160,13 +163,16 @@ def token_layout(common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.T
 def build_indexer_metadata(common: CommonAttentionMetadata) -> KvoIndexerMetadata:
     tokens = common.num_actual_tokens
     requests, positions, local = token_layout(common)
+    starts = common.query_start_loc_cpu.to(torch.int64).numpy()
+    seq_lens = common.seq_lens.to(torch.int64)
+    groups = build_groups(requests[:tokens], starts[1:] - starts[:-1], seq_lens.cpu().numpy())
     return KvoIndexerMetadata(
         num_actual_tokens=tokens, num_reqs=common.num_reqs, max_seq_len=common.max_seq_len,
         max_query_len=common.max_query_len,
         slot_mapping=common.slot_mapping[:tokens].to(torch.int64),
-        block_table=common.block_table_tensor, seq_lens=common.seq_lens.to(torch.int64),
+        block_table=common.block_table_tensor, seq_lens=seq_lens,
         token_request=requests[:tokens], token_position=positions[:tokens],
-        token_local_index=local[:tokens])
+        token_local_index=local[:tokens], groups=groups)
 
 
 class KvoIndexerMetadataBuilder(AttentionMetadataBuilder[KvoIndexerMetadata]):
