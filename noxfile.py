@@ -206,11 +206,24 @@ def bench(session: nox.Session) -> None:
         if name not in available:
             session.error(f"no benchmark named {name!r}; have: {available}")
         script = ROOT / "tools" / "bench" / f"{name}.py"
+        # A --json among the options wins (argparse takes the last), and is what gets charted.
+        result = _option_value(options, "--json") or str(out / f"{name}.json")
         argv = ("python", str(script), "--json", str(out / f"{name}.json"), *options)
         session.run(*in_loopback_namespace(*argv), env=env, external=True)
         session.run(str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"),
                     str(ROOT / "tools" / "bench" / "_charts.py"),
-                    str(out / f"{name}.json"), env=env, external=True)
+                    result, env=env, external=True)
+
+
+def _option_value(options: list[str], name: str) -> str | None:
+    """The value of the last ``name VALUE`` or ``name=VALUE`` in ``options``, or None."""
+    value = None
+    for i, option in enumerate(options):
+        if option == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif option.startswith(name + "="):
+            value = option[len(name) + 1:]
+    return value
 
 
 @nox.session(venv_backend="none")
