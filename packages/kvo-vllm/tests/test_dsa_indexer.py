@@ -159,3 +159,22 @@ def test_fused_manage_op_reads_the_cache_layout_and_selects_like_the_indexer(dty
         got, expected = src[row, 0], want[t]
         overlap = set(got[got >= 0].tolist()) & set(expected[expected >= 0].tolist())
         assert len(overlap) >= int((expected >= 0).sum()) - 1   # near-ties: two sum orders
+
+
+def test_keys_gathered_from_a_flat_view_equal_the_two_index_gather() -> None:
+    """A per-layer cache is read through one flat view (index_select); a cache whose rows are
+    interleaved with another layer's takes the two-index gather: the same bytes either way."""
+    layout = IndexerKeyLayout(DIM, "bfloat16")
+    keys, _, _, metadata = _batch(SEQ_LENS, QUERY_LENS, seed=3)
+    own = _fill(layout, keys, metadata)
+    shared = torch.zeros(own.shape[0], 2, *own.shape[1:], dtype=own.dtype)
+    shared[:, 1] = own
+    interleaved = shared[:, 1]
+    assert not interleaved.is_contiguous()
+    args = (layout, metadata.block_table, metadata.num_reqs, metadata.max_seq_len)
+    flat = gather_request_keys(own, *args)
+    gathered = gather_request_keys(interleaved, *args)
+    assert torch.equal(flat.view(torch.int32), gathered.view(torch.int32))
+    for r, request_keys in enumerate(keys):
+        assert torch.equal(flat[r, : request_keys.shape[0]],
+                           request_keys.to(torch.bfloat16).float())
