@@ -3,8 +3,11 @@
 Starts (in a loopback-only network namespace; Mooncake needs it) a plain vLLM API server, the
 kvo P/D deployment: a prefill with ``KvoMultiConnector`` (8 layers in 3 reused buffers, every
 layer saved to the Mooncake store and published to decode), a decode with
-``RemoteD2HConnector`` and the kvo proxy; and the peer a user would pick instead: vLLM's own
-``MooncakeConnector`` prefill/decode pair over Mooncake tcp with its proxy (``pd/peer.py``;
+``RemoteD2HConnector`` and the kvo proxy; the same decode fed by a second prefill with
+``RemoteD2HConnector`` alone ("kvo-d2h": P/D only, nothing saved to a store, as the peer
+does; ``--no-d2h`` leaves it out) through a second kvo proxy; and the peer a user would pick
+instead: vLLM's own ``MooncakeConnector`` prefill/decode pair over Mooncake tcp with its
+proxy (``pd/peer.py``;
 ``--no-peer`` leaves it out). For each prompt length the contenders take turns on the same fresh
 prompts (the order rotates every round, so a busy machine slows all alike); each request
 streams, so the time to the first token (TTFT) and the decode rate are measured at the client.
@@ -50,6 +53,7 @@ from pd.client import Answer, complete, completion_body  # noqa: E402
 from pd.cluster import (  # noqa: E402
     Cluster,
     ClusterError,
+    d2h_prefill_transfer_config,
     decode_transfer_config,
     free_port,
     prefill_transfer_config,
@@ -72,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="logs and counters (default: a temp dir)")
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="leave out vLLM's own MooncakeConnector pair")
+    parser.add_argument("--no-d2h", dest="d2h", action="store_false",
+                        help="leave out kvo's P/D-only prefill (RemoteD2HConnector alone)")
     parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
                         help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
                              "both (default)")
@@ -118,7 +124,7 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
             complete(url, completion_body(fresh(length), 2, stream=True))
         answers: dict[str, list[Answer]] = {name: [] for name in names}
         warm_answers: list[Answer] = []
-        phases: list[dict[str, Any]] = []
+        phases: dict[str, list[dict[str, Any]]] = {n: [] for n in KVO_CONTENDERS if n in urls}
         for rep in range(args.reps):
             body = completion_body(fresh(length), args.max_tokens, stream=True)
             shift = rep % len(names)
@@ -128,8 +134,8 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
                     raise RuntimeError(f"{name} request of {length} tokens failed: "
                                        f"{answer.error}")
                 answers[name].append(answer)
-                if name == "pd":
-                    phases.append(_last_proxy_record(urls["pd"]))
+                if name in phases:
+                    phases[name].append(_last_proxy_record(urls[name]))
             # The reference for exactness: plain's answer with the prompt in its prefix cache.
             # A P/D decode starts from the pulled prompt KV and computes only the prompt's
             # tail, as plain does on a warm cache; plain's cold answer (timed above) computes
@@ -166,16 +172,19 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
             row[f"same_tokens_{name}"] = sum(a.token_ids == c.token_ids
                                              for a, c in zip(got, cold, strict=True))
         # Where kvo's TTFT goes, as the proxy saw it (seconds from the request's arrival).
-        for key in ("ready_s", "prefill_s", "first_byte_s"):
-            row[f"pd_proxy_{key}"] = _median([p[key] for p in phases if p.get(key) is not None])
-        if "peer" in answers:
-            row["ttft_ratio_pd_to_peer"] = _paired_ratio(answers, "pd", "peer")
+        for name, seen in phases.items():
+            for key in ("ready_s", "prefill_s", "first_byte_s"):
+                row[f"{name}_proxy_{key}"] = _median([p[key] for p in seen
+                                                      if p.get(key) is not None])
+            if "peer" in answers:
+                row[f"ttft_ratio_{name}_to_peer"] = _paired_ratio(answers, name, "peer")
         row["same_tokens"] = all(p.token_ids == d.token_ids
                                  for p, d in zip(answers["plain"], answers["pd"], strict=True))
         rows.append(row)
     return rows
 
 
+KVO_CONTENDERS = ("pd", "pd_d2h")  # kvo's proxies: the full prefill, the P/D-only one
 DSA_BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
 DSA_STEP_TOKENS = 512  # prefill chunk of every DSA engine (kvo's offload tests use the same)
 
@@ -227,6 +236,14 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             servers = [plain, prefill, decode, proxy]
             urls = {"plain": plain.url or "", "pd": proxy.url or ""}
+            if args.d2h:
+                prefill_d2h = cluster.start_vllm(
+                    "prefill-d2h", model, free_port(), d2h_prefill_transfer_config(kv_port),
+                    max_model_len=max_len, extra_args=steps, **shape)
+                proxy_d2h = cluster.start_proxy(free_port(), prefill_d2h.url or "",
+                                                decode.url or "", name="proxy-d2h")
+                servers += [prefill_d2h, proxy_d2h]
+                urls["pd_d2h"] = proxy_d2h.url or ""
             if with_peer:
                 peer = start_peer(cluster, model, max_len)
                 servers += peer.servers
@@ -282,8 +299,9 @@ def print_table(result: dict[str, Any]) -> None:
     model_name = "tiny 8-layer DSA model" if result.get("model") == "dsa" else \
         "tiny 8-layer Llama"
     peer = bool(rows) and "ttft_peer_s" in rows[0]
-    names = ["plain", "pd", "peer"] if peer else ["plain", "pd"]
-    label = {"plain": "plain", "pd": "kvo", "peer": "vLLM-MC"}
+    kvo = [n for n in KVO_CONTENDERS if bool(rows) and f"ttft_{n}_s" in rows[0]]
+    names = ["plain", *kvo, *(["peer"] if peer else [])]
+    label = {"plain": "plain", "pd": "kvo", "pd_d2h": "kvo-d2h", "peer": "vLLM-MC"}
     print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
           + f" vs one plain vLLM (CPU, {model_name}, streamed; medians over rounds; "
           "ratios: median of per-round pairs; exact: answers bit-equal in tokens and logprobs "
@@ -293,7 +311,7 @@ def print_table(result: dict[str, Any]) -> None:
     header = f"{'prompt':>7} " + " ".join(f"{'TTFT ' + label[n]:>13}" for n in names)
     header += " " + " ".join(f"{label[n] + '/plain':>13}" for n in names[1:])
     if peer:
-        header += f" {'kvo/vLLM-MC':>12}"
+        header += " " + " ".join(f"{label[n] + '/vLLM-MC':>16}" for n in kvo)
     header += " " + " ".join(f"{'tok/s ' + label[n]:>13}" for n in names)
     header += " " + " ".join(f"{'exact ' + label[n]:>15}" for n in names[1:])
     header += f" {'cold=warm':>10}"
@@ -304,7 +322,8 @@ def print_table(result: dict[str, Any]) -> None:
         line += " " + " ".join(f"{_fmt(row[f'ttft_ratio_{n}_to_plain'], 1, 2):>12}x"
                                for n in names[1:])
         if peer:
-            line += f" {_fmt(row['ttft_ratio_pd_to_peer'], 1, 2):>11}x"
+            line += " " + " ".join(f"{_fmt(row[f'ttft_ratio_{n}_to_peer'], 1, 2):>15}x"
+                                   for n in kvo)
         line += " " + " ".join(f"{_fmt(row[f'decode_tps_{n}']):>13}" for n in names)
         line += " " + " ".join(
             f"{row[f'exact_{n}']}/{row[f'exact_cold_{n}']}/{row[f'same_tokens_{n}']}/"
@@ -312,10 +331,12 @@ def print_table(result: dict[str, Any]) -> None:
         line += f" {row['plain_cold_equals_warm']}/{row['rounds']}".rjust(11)
         print(line)
     for row in rows:
-        print(f"kvo at {row['prompt_tokens']} tokens, medians at the proxy from a request's "
-              f"arrival: decode ready {_fmt(row.get('pd_proxy_ready_s'), 1e3)} ms, prefill "
-              f"answered {_fmt(row.get('pd_proxy_prefill_s'), 1e3)} ms after that, first "
-              f"decode byte {_fmt(row.get('pd_proxy_first_byte_s'), 1e3)} ms")
+        for name in kvo:
+            print(f"{label[name]} at {row['prompt_tokens']} tokens, medians at the proxy from a "
+                  f"request's arrival: decode ready "
+                  f"{_fmt(row.get(f'{name}_proxy_ready_s'), 1e3)} ms, prefill answered "
+                  f"{_fmt(row.get(f'{name}_proxy_prefill_s'), 1e3)} ms after that, first "
+                  f"decode byte {_fmt(row.get(f'{name}_proxy_first_byte_s'), 1e3)} ms")
     ratio = result["prefill_kv_footprint_ratio"]
     print(f"kvo: prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
           f"pulled {result['pulled_bytes'] / (1 << 20):.1f} MiB in "

@@ -307,6 +307,20 @@ def prefill_transfer_config(store_master: str, kv_port: int, stats_file: Path | 
             "kv_connector_extra_config": extra}
 
 
+def d2h_prefill_transfer_config(kv_port: int, stats_file: Path | None = None,
+                                layer_deadline_s: float = 60.0,
+                                handshake_timeout_s: float = 30.0) -> dict[str, Any]:
+    """RemoteD2HConnector alone on prefill: every layer published to decode, nothing saved to
+    a store (what a P/D-only deployment runs; vLLM's MooncakeConnector pair does the same)."""
+    extra: dict[str, Any] = {"kv_port": kv_port, "layer_deadline_s": layer_deadline_s,
+                             "handshake_timeout_s": handshake_timeout_s}
+    if stats_file is not None:
+        extra["stats_file"] = str(stats_file)
+    return {"kv_connector": "RemoteD2HConnector",
+            "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra}
+
+
 FAULTY_ENGINE = "pd.faulty_engine:wrap"
 
 
