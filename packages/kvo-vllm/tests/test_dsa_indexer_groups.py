@@ -3,7 +3,6 @@ decodes it would otherwise pad to its length, short steps and decode steps in on
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 import pytest
 import torch
@@ -11,7 +10,7 @@ from test_dsa_indexer import DIM, TOP_K, _batch, _fill
 
 from kvo_vllm.dsa import indexer_groups
 from kvo_vllm.dsa.indexer import select_topk
-from kvo_vllm.dsa.indexer_cache import IndexerKeyLayout
+from kvo_vllm.dsa.indexer_cache import IndexerKeyLayout, with_groups
 from kvo_vllm.dsa.indexer_groups import build_groups, request_groups
 
 
@@ -90,6 +89,5 @@ def test_grouped_selection_is_the_ungrouped_selection(monkeypatch: pytest.Monkey
     monkeypatch.setattr(indexer_groups, "MIN_WASTE", 0)
     groups = build_groups(metadata.token_request, np.array(query_lens), np.array(seq_lens))
     assert groups is not None and len(groups) >= 2
-    grouped = select_topk(query, weights, cache, layout, attrs.evolve(metadata, groups=groups),
-                          TOP_K)
+    grouped = select_topk(query, weights, cache, layout, with_groups(metadata, groups), TOP_K)
     assert torch.equal(grouped, whole)

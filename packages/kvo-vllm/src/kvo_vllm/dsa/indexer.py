@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
@@ -92,16 +91,7 @@ def select_topk(query: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
     if metadata.groups is None:
         return _select_group(query, weights, cache, layout, metadata, top_k)
     out = torch.empty(query.shape[0], top_k, dtype=torch.int64)
-    for group in metadata.groups:
-        part = attrs.evolve(
-            metadata, num_actual_tokens=int(group.tokens.shape[0]),
-            num_reqs=int(group.rows.shape[0]), max_seq_len=group.max_seq_len,
-            max_query_len=group.max_query_len,
-            slot_mapping=metadata.slot_mapping[group.tokens],
-            block_table=metadata.block_table[group.rows], seq_lens=metadata.seq_lens[group.rows],
-            token_request=group.token_request,
-            token_position=metadata.token_position[group.tokens],
-            token_local_index=metadata.token_local_index[group.tokens], groups=None)
+    for group, part in metadata.groups:
         out[group.tokens] = _select_group(query[group.tokens], weights[group.tokens], cache,
                                           layout, part, top_k)
     return out

@@ -144,8 +144,9 @@ class KvoIndexerMetadata(AttentionMetadata):
     token_request: torch.Tensor    # [T] int64: the request (batch row) of each query token
     token_position: torch.Tensor   # [T] int64: its absolute position in the request
     token_local_index: torch.Tensor  # [T] int64: its index among the request's query tokens
-    groups: tuple[IndexerGroup, ...] | None = None
-    """Requests scored apart (:mod:`kvo_vllm.dsa.indexer_groups`); None: all together."""
+    groups: tuple[tuple[IndexerGroup, KvoIndexerMetadata], ...] | None = None
+    """Requests scored apart (:mod:`kvo_vllm.dsa.indexer_groups`), each with its own view of
+    the step (built once per step by :func:`with_groups`); None: all together."""
 
 
 def token_layout(common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
@@ -166,13 +167,29 @@ def build_indexer_metadata(common: CommonAttentionMetadata) -> KvoIndexerMetadat
     starts = common.query_start_loc_cpu.to(torch.int64).numpy()
     seq_lens = common.seq_lens.to(torch.int64)
     groups = build_groups(requests[:tokens], starts[1:] - starts[:-1], seq_lens.cpu().numpy())
-    return KvoIndexerMetadata(
+    metadata = KvoIndexerMetadata(
         num_actual_tokens=tokens, num_reqs=common.num_reqs, max_seq_len=common.max_seq_len,
         max_query_len=common.max_query_len,
         slot_mapping=common.slot_mapping[:tokens].to(torch.int64),
         block_table=common.block_table_tensor, seq_lens=seq_lens,
         token_request=requests[:tokens], token_position=positions[:tokens],
-        token_local_index=local[:tokens], groups=groups)
+        token_local_index=local[:tokens])
+    return metadata if groups is None else with_groups(metadata, groups)
+
+
+def with_groups(metadata: KvoIndexerMetadata, groups: tuple[IndexerGroup, ...]
+                ) -> KvoIndexerMetadata:
+    """``metadata`` scored in ``groups``, each group's own view sliced here once per step (the
+    indexer of every layer reuses them)."""
+    parts = tuple((group, attrs.evolve(
+        metadata, num_actual_tokens=int(group.tokens.shape[0]),
+        num_reqs=int(group.rows.shape[0]), max_seq_len=group.max_seq_len,
+        max_query_len=group.max_query_len, slot_mapping=metadata.slot_mapping[group.tokens],
+        block_table=metadata.block_table[group.rows], seq_lens=metadata.seq_lens[group.rows],
+        token_request=group.token_request, token_position=metadata.token_position[group.tokens],
+        token_local_index=metadata.token_local_index[group.tokens], groups=None))
+        for group in groups)
+    return attrs.evolve(metadata, groups=parts)
 
 
 class KvoIndexerMetadataBuilder(AttentionMetadataBuilder[KvoIndexerMetadata]):

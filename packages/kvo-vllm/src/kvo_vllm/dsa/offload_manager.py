@@ -327,12 +327,13 @@ class OffloadManager:
         self.identity[layer].forget(~decode)
         hot = self.hot[layer]
         pool = self.pool_layer(layer)
-        if not bool(decode.any()) and pool.device == self.device:
+        same_device = pool.device == self.device
+        any_decode = bool(decode.any())
+        if not any_decode and same_device:
             # No decode row: attention reads the pool by slot, no gathered copy.
             self._record_step(layer, decode, decode_tok, seq_lens)
             slots = torch.where(valid, pool_rows, torch.full_like(pool_rows, -1))
             return SelectedRows(rows=pool, valid=valid, slots=slots)
-        same_device = pool.device == self.device
         if same_device:
             # Every token's rows straight from the pool in one pass (a mixed step is mostly
             # prefill tokens); the decode tokens' rows are then replaced by their hot rows.
@@ -345,7 +346,7 @@ class OffloadManager:
 
         selected = hits = misses = 0
         residency_seconds = 0.0
-        if bool(decode.any()):
+        if any_decode:
             started = time.perf_counter()
             hot_index, misses = self._residency(layer, topk, req, qsl, decode, decode_tok,
                                                 serials, seq_lens, query_lens, blocks)
