@@ -3,9 +3,9 @@
 Starts (in a loopback-only network namespace; Mooncake needs it) a plain vLLM API server, the
 kvo P/D deployment: a prefill with ``KvoMultiConnector`` (8 layers in 3 reused buffers, every
 layer saved to the Mooncake store and published to decode), a decode with
-``RemoteD2HConnector`` and the kvo proxy; the same decode fed by a second prefill with
+``RemoteD2HConnector`` and the kvo proxy; a second kvo pair whose prefill runs
 ``RemoteD2HConnector`` alone ("kvo-d2h": P/D only, nothing saved to a store, as the peer
-does; ``--no-d2h`` leaves it out) through a second kvo proxy; and the peer a user would pick
+does; ``--no-d2h`` leaves it out); and the peer a user would pick
 instead: vLLM's own ``MooncakeConnector`` prefill/decode pair over Mooncake tcp with its
 proxy (``pd/peer.py``;
 ``--no-peer`` leaves it out). For each prompt length the contenders take turns on the same fresh
@@ -237,12 +237,18 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
             servers = [plain, prefill, decode, proxy]
             urls = {"plain": plain.url or "", "pd": proxy.url or ""}
             if args.d2h:
+                # Its own decode: a decode shared with the other kvo pair would find the same
+                # prompt in its prefix cache on the second request of a round.
+                kv_port_d2h = free_port()
                 prefill_d2h = cluster.start_vllm(
-                    "prefill-d2h", model, free_port(), d2h_prefill_transfer_config(kv_port),
+                    "prefill-d2h", model, free_port(), d2h_prefill_transfer_config(kv_port_d2h),
                     max_model_len=max_len, extra_args=steps, **shape)
+                decode_d2h = cluster.start_vllm(
+                    "decode-d2h", model, free_port(), decode_transfer_config(kv_port_d2h),
+                    max_model_len=max_len, extra_args=[*steps, *decode_args], **shape)
                 proxy_d2h = cluster.start_proxy(free_port(), prefill_d2h.url or "",
-                                                decode.url or "", name="proxy-d2h")
-                servers += [prefill_d2h, proxy_d2h]
+                                                decode_d2h.url or "", name="proxy-d2h")
+                servers += [prefill_d2h, decode_d2h, proxy_d2h]
                 urls["pd_d2h"] = proxy_d2h.url or ""
             if with_peer:
                 peer = start_peer(cluster, model, max_len)
