@@ -188,6 +188,12 @@ class DecodeSpec:
     stalls: Mapping[int, float] = attrs.Factory(dict)
     """layer -> seconds a data read into that destination layer pauses half-way (torn)."""
     quarantine_s: float = 2.0
+    first_blocks: Mapping[str, int] = attrs.Factory(dict)
+    """request id -> its RequestDestination.first_block (decode's own prefix below it)."""
+    registered_after: Mapping[str, float] = attrs.Factory(dict)
+    """request id -> seconds after start before its destination is registered."""
+    declined: tuple[str, ...] = ()
+    """Requests decode computes itself (``DecodeReceiver.decline``)."""
 
 
 class FlakyEngine(DelegatingEngine):
@@ -247,13 +253,16 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
     engine = FlakyEngine(create_transfer_engine("mooncake"), spec.fail_first_reads,
                          spec.geometry, buffer.ptr, spec.stalls)
     engine.register(buffer.ptr, buffer.nbytes)
-    table = {rid: RequestDestination(main, indexer)
+    table = {rid: RequestDestination(main, indexer, first_block=spec.first_blocks.get(rid, 0))
              for rid, (main, indexer) in spec.destinations.items()}
+    started = time.monotonic()
 
     def resolve(request_id: str) -> RequestDestination | None:
         if request_id == spec.stall_request:
             events.put(("stalled", request_id))
             time.sleep(60)
+        if time.monotonic() - started < spec.registered_after.get(request_id, 0.0):
+            return None
         return table.get(request_id)
 
     receiver = DecodeReceiver(engine=engine, layout=decode_layout(spec.geometry, buffer.ptr),
@@ -263,6 +272,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                               max_frame_bytes=spec.max_frame_bytes,
                               quarantine_s=spec.quarantine_s,
                               control_secret=spec.control_secret)
+    for request_id in spec.declined:
+        receiver.decline(request_id)
     receiver.start()
     events.put(("ready", receiver.endpoint, engine.session_id))
     finished: set[str] = set()
@@ -281,6 +292,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                        for rid in spec.destinations}
             events.put(("status", sorted(finished), dict(failed), invalid,
                         receiver.rejected_frames, engine.reads))
+        elif command == "parking":
+            events.put(("parking", receiver.parked_readies, receiver.expired_readies))
         elif command == "closed_connections":
             events.put(("closed_connections", receiver.closed_connections))
         elif command == "auth_rejections":
@@ -324,6 +337,13 @@ class DecodeProcess:
         """From now on, data reads into these destination layers pause half-way this long."""
         self.commands.put(("stalls", dict(stalls)))
         assert self.next_event(30) == ("stalls",)
+
+    def parking(self) -> tuple[int, int]:
+        """(READYs that waited for their destination, READYs whose wait expired)."""
+        self.commands.put("parking")
+        event = self.next_event(30)
+        assert event[0] == "parking", event
+        return int(event[1]), int(event[2])
 
     def closed_connections(self) -> int:
         self.commands.put("closed_connections")

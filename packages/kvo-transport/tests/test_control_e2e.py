@@ -164,6 +164,53 @@ def test_layers_and_chunked_requests_arrive_byte_identical(engines, buffers, pum
     check_untouched_blocks_are_zero(dest, written)
 
 
+def test_readies_wait_for_a_late_destination_and_skip_what_decode_holds(engines,
+                                                                        buffers) -> None:
+    """Prefill and decode posted at once: prefill publishes from block 0 before decode has
+    registered "late" (it appears 0.4 s in), decode already holds the first two blocks of
+    "prefix", and computes "declined" itself. Every layer of "late" waits and then arrives
+    byte-identical; "prefix" gets only its blocks 2 and 3; "declined" reads nothing; every
+    READY is answered READ_DONE, so prefill finishes all three."""
+    source = buffers(PREFILL.total_bytes)
+    fill_random(source, 3)
+    dest = buffers(DECODE.total_bytes)
+    src = {"late": (1, 2, 3), "prefix": (4, 5, 6, 7), "declined": (8, 9)}
+    dst = {"late": (10, 11, 12), "prefix": (-1, -1, 14, 15)}
+    decode = DecodeProcess(DecodeSpec(
+        shm_name=dest.name, geometry=DECODE,
+        destinations={rid: (ids, None) for rid, ids in dst.items()},
+        first_blocks={"prefix": 2}, registered_after={"late": 0.4}, declined=("declined",)))
+    gates, tracker = SlotGates(), RequestCompletionTracker()
+    publisher = publisher_for(engines[0], source, gates=gates, tracker=tracker)
+    try:
+        chunks = [Chunk(rid, 0, ids, ids) for rid, ids in src.items()]
+        outcome = run_prefill_rank(publisher, decode.endpoint, chunks, PREFILL.layers, 2000,
+                                   gates=gates, tracker=tracker)
+        assert outcome.slot_errors == [] and outcome.failed == {}
+        assert outcome.finished == set(src)
+        finished, failed, invalid, rejected, _ = decode.wait_terminal(["late", "prefix"])
+        assert {"late", "prefix"} <= set(finished) and failed == {} and rejected == 0
+        parked, expired = decode.parking()
+        assert parked >= 1 and expired == 0
+    finally:
+        publisher.close()
+        engines[0].unregister(source.ptr)
+        decode.stop()
+
+    written: set[tuple[int, str, int, int]] = set()
+    moved = {"late": list(zip(src["late"], dst["late"], strict=True)),
+             "prefix": list(zip(src["prefix"][2:], dst["prefix"][2:], strict=True))}
+    for layer in range(PREFILL.layers):
+        for pairs in moved.values():
+            for kind, tensors in KINDS:
+                for tensor in range(len(tensors)):
+                    for src_id, dst_id in pairs:
+                        assert block(dest, DECODE, layer, kind, tensor, dst_id) == \
+                            block(source, PREFILL, layer, kind, tensor, src_id)
+                        written.add((layer, kind, tensor, dst_id))
+    check_untouched_blocks_are_zero(dest, written)
+
+
 def test_four_prefill_ranks_feed_two_decode_ranks_with_split_indexer(engines, buffers) -> None:
     prefill_tp, decode_tp, ratio = 4, 2, 2
     sources = [buffers(PREFILL.total_bytes) for _ in range(prefill_tp)]

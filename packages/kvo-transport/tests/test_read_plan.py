@@ -223,6 +223,33 @@ def test_intended_destination_is_clipped_to_what_exists() -> None:
     assert intended_destination(dest, ready, None) == ((), ())
 
 
+def test_blocks_below_first_block_are_decodes_own_and_never_written() -> None:
+    """A prefill that did not know decode's prefix sends from block 0: decode reads only the
+    blocks from its ``first_block`` on (its -1 placeholders below are never looked at)."""
+    skipped = RequestDestination((-1, -1, 12, 13), first_block=2)
+    plan = plan_layer_read(source_layer(indexer=False), dest_layer(indexer=False),
+                           batch(request(main=(3, 4, 5, 6), indexer=())), lambda rid: skipped)
+    assert plan.lengths == [2 * 96, 2 * 32]
+    assert plan.local_addrs[0] == DST_BASE + 12 * 96
+    assert plan.remote_addrs[0] == SRC_BASE + 5 * 96
+    assert plan.destinations == {"r": ((12, 13), ())}
+    whole_prefix = plan_layer_read(source_layer(indexer=False), dest_layer(indexer=False),
+                                   batch(request(main=(3, 4), indexer=())), lambda rid: skipped)
+    assert whole_prefix.lengths == [] and whole_prefix.destinations == {"r": ((), ())}
+    assert intended_destination(dest_layer(), request(main=(3, 4, 5)), skipped) == \
+        ((12,), (12,))
+
+
+def test_a_declined_request_reads_nothing_but_its_source_is_still_checked() -> None:
+    nothing = RequestDestination.nothing()
+    plan = plan_layer_read(source_layer(), dest_layer(), batch(request(main=(3, 4))),
+                           lambda rid: nothing)
+    assert plan.lengths == [] and plan.destinations == {"r": ((), ())}
+    with pytest.raises(ReadRejected, match="main source block 16 is outside"):
+        plan_layer_read(source_layer(), dest_layer(), batch(request(main=(0, 16))),
+                        lambda rid: nothing)
+
+
 def test_destination_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="2 base_addrs but 1 block_bytes"):
         DestinationGroup((1, 2), (3,), 4)

@@ -1,4 +1,4 @@
-"""The P/D proxy's decode-first flow against fake engines (its own logic only).
+"""The P/D proxy's flow against fake engines (its own logic only).
 
 The fake decode advertises its destination to the proxy's notify endpoint and answers once the
 fake prefill was asked; the fake prefill records what it got. The real engines are exercised by
@@ -159,6 +159,37 @@ def test_decode_first_then_prefill_then_the_decode_answer() -> None:
     assert params["kvo_transfer_id"] == decode_params["kvo_transfer_id"]
     assert params["kvo_decode_endpoints"] == [ENDPOINT]
     assert (params["kvo_skip_blocks"], params["kvo_stop_block"]) == (1, 4)
+
+
+def test_a_known_decode_gets_prefill_at_once_until_a_hand_off_fails() -> None:
+    """After a decode's first advertisement the proxy posts prefill without waiting for the
+    next one (no stop block: prefill derives it; from block 0: decode skips what it holds);
+    a failed hand-off forgets the endpoints, so the next request goes decode-first again."""
+    fakes = Fakes()
+
+    async def ask(proxy: str, session: aiohttp.ClientSession, status: int) -> None:
+        async with session.post(proxy + "/v1/completions", json=BODY) as response:
+            assert response.status == status
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        await ask(proxy, session, 200)
+        await ask(proxy, session, 200)
+        fakes.prefill_fails, fakes.prefilled = "decode refused the READY", asyncio.Event()
+        await ask(proxy, session, 502)
+        fakes.prefill_fails = None
+        await ask(proxy, session, 200)
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            records = (await response.json())["requests"]
+        assert [r["concurrent"] for r in records] == [False, True, True, False]
+        assert [r["outcome"] for r in records][:2] == ["ok", "ok"]
+
+    _run(fakes, scenario)
+    params = [body["kv_transfer_params"] for body in fakes.prefill_bodies]
+    assert (params[0]["kvo_skip_blocks"], params[0]["kvo_stop_block"]) == (1, 4)
+    for at_once in params[1:3]:
+        assert "kvo_stop_block" not in at_once and at_once["kvo_skip_blocks"] == 0
+        assert at_once["kvo_decode_endpoints"] == [ENDPOINT]
+    assert params[3]["kvo_stop_block"] == 4
 
 
 def test_streams_are_relayed_chunk_by_chunk() -> None:

@@ -30,6 +30,9 @@ def test_prefill_params_round_trip() -> None:
     assert params.decode_tp == 2
     assert PrefillSendParams.from_params(params.to_params()) == params
     assert PrefillSendParams.from_params({"do_remote_prefill": True}) is None
+    at_once = PrefillSendParams(transfer_id="kvo-2", decode_endpoints=ENDPOINTS, stop_block=None)
+    assert "kvo_stop_block" not in at_once.to_params()
+    assert PrefillSendParams.from_params(at_once.to_params()) == at_once
 
 
 @pytest.mark.parametrize(("change", "named"), [

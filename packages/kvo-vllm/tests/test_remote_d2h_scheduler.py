@@ -88,6 +88,20 @@ def test_a_report_crossing_an_abort_cancels_the_queued_revoke() -> None:
     assert _step(scheduler, {}).revoked_recvs == ()
 
 
+def test_a_pull_decode_will_not_make_is_declined_to_the_worker() -> None:
+    """Prefill may already be publishing (posted at once with decode): the worker must answer
+    those READYs with nothing read, for a prompt decode holds whole or a request that ended
+    before its blocks were allocated."""
+    scheduler = _scheduler({"r": [1, 2, 3]})
+    cached = FakeRequest("r", 9, DecodePullParams(transfer_id="t-cached").to_params())
+    scheduler.update_state_after_alloc(cached, 0)
+    gone = FakeRequest("g", 9, DecodePullParams(transfer_id="t-gone").to_params())
+    assert scheduler.request_finished(gone) == (False, None)
+    metadata = _step(scheduler, {})
+    assert metadata.declined_recvs == ("t-cached", "t-gone") and metadata.recvs == ()
+    assert _step(scheduler, {}).declined_recvs == ()
+
+
 def test_bad_params_fall_back_to_local_compute() -> None:
     request = FakeRequest("r", 40, {"do_remote_prefill": True, "kvo_transfer_id": "no spaces!"})
     assert _scheduler({}).num_new_matched_tokens(request, 0) == (0, False)
@@ -124,6 +138,24 @@ def test_prefill_prefix_hit_sends_its_context_in_the_first_step() -> None:
     request.num_computed_tokens = 20  # a prefix hit beyond decode's last wanted block
     chunk = _step(scheduler, {"r": 2}).sends[0]
     assert (chunk.start_block, chunk.block_ids, chunk.last) == (0, (0, 1, 2, 3, 4), True)
+
+
+def test_prefill_posted_with_decode_derives_the_wanted_blocks_itself() -> None:
+    """No kvo_stop_block: the proxy did not wait for decode; prefill sends from block 0 up to
+    the block a warm prefix cache would cover, (prompt - 1) // block_size."""
+    scheduler = _scheduler({"r": list(range(100, 106)), "s": [7]})
+    params = PrefillSendParams(transfer_id="t-r", decode_endpoints=ENDPOINT,
+                               stop_block=None).to_params()
+    request = FakeRequest("r", 22, params)
+    scheduler.on_new_request(request)
+    chunk = _step(scheduler, {"r": 22}).sends[0]
+    assert (chunk.start_block, chunk.block_ids, chunk.last) == (0, (100, 101, 102, 103, 104),
+                                                                True)
+    short = FakeRequest("s", BS, PrefillSendParams(transfer_id="t-s", decode_endpoints=ENDPOINT,
+                                                   stop_block=None).to_params())
+    scheduler.on_new_request(short)  # one partial block: decode computes it all
+    assert _step(scheduler, {"s": BS}).sends == ()
+    assert scheduler.request_finished(short) == (False, None)
 
 
 def test_prefill_abort_before_the_last_chunk_is_abandoned() -> None:

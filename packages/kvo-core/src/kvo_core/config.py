@@ -369,6 +369,9 @@ class RemoteD2HConfig:
     that the hand-off threads run while vLLM's forward holds the GIL
     (kvo_vllm.remote_d2h.switch_interval); null, the default, leaves the interpreter's own (5 ms):
     on a quiet host the shorter interval did not change TTFT.
+    ``destination_wait_s`` (decode) is how long a READY may wait for its request's destination
+    to be registered (the proxy posts prefill and decode at once, so a layer can arrive
+    first); the read that follows is fenced like any other.
     """
 
     kv_port: int = attrs.field(validator=_int_in(1, 65535))
@@ -393,6 +396,8 @@ class RemoteD2HConfig:
                                              validator=_optional_secret)
     gil_switch_interval_s: float | None = attrs.field(
         default=None, converter=_to_float, validator=_optional_switch_interval)
+    destination_wait_s: float = attrs.field(default=10.0, converter=_to_float,
+                                            validator=_non_negative_float)
 
     def __attrs_post_init__(self) -> None:
         if self.transfer_backend == "memfabric":

@@ -17,12 +17,18 @@ starts and after it returns; a read into a revoked block is refused; a failed re
 its destination (slices of a failed Mooncake batch may land after the call returned), and a
 request that failed is only reported by ``pop_finished`` once its blocks settled. ``revoke``
 never waits for a read; whoever hands blocks back asks ``settled`` first.
+
+A READY may arrive before its request's destination is registered (the proxy posted prefill
+and decode at once): it waits, in its connection's order, for up to ``destination_wait_s``
+(kvo_transport.ready_parking), then is read or refused. A request decode computes itself
+(``decline``) is answered READ_DONE with nothing read.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -75,6 +81,7 @@ from kvo_transport.read_plan import (
     intended_destination,
     plan_layer_read,
 )
+from kvo_transport.ready_parking import ReadyParking
 from kvo_transport.receive_ledger import InvalidBlocks, ReceiveLedger
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's enum arithmetic costs microseconds per call
@@ -90,6 +97,10 @@ InvalidCallback = Callable[[str, int, tuple[int, ...], tuple[int, ...], str], No
 _instances = itertools.count()
 MAX_SESSIONS = 4096
 """Accepted prefill connections remembered at once (the oldest is forgotten first)."""
+DEFAULT_DESTINATION_WAIT_S = 10.0
+"""How long a READY may wait for its request's destination to be registered."""
+PARKED_POLL_S = 0.001
+"""While READYs wait for destinations, how often the receiver looks for them."""
 
 
 class ControlSocketError(KvoError, OSError):
@@ -124,7 +135,8 @@ class DecodeReceiver:
                  max_frame_bytes: int = MAX_FRAME_BYTES,
                  on_invalid: InvalidCallback | None = None,
                  control_secret: str | None = None,
-                 quarantine_s: float = DEFAULT_QUARANTINE_S) -> None:
+                 quarantine_s: float = DEFAULT_QUARANTINE_S,
+                 destination_wait_s: float = DEFAULT_DESTINATION_WAIT_S) -> None:
         if not isinstance(read_retries, int) or read_retries < 0:
             raise ValueError(f"read_retries must be an integer >= 0, got {read_retries!r}")
         if not retry_backoff_s >= 0:
@@ -143,6 +155,7 @@ class DecodeReceiver:
         self._read_retries = read_retries
         self._retry_backoff_s = retry_backoff_s
         self._on_invalid = on_invalid
+        self._parking = ReadyParking(destination_wait_s)
         self._decoder = FrameDecoder(max_frame_bytes)
         self._backend = engine.backend
         self._transfer_protocol = engine.protocol
@@ -256,6 +269,22 @@ class DecodeReceiver:
         """Give up on a request's missing parts (e.g. the caller's own deadline expired)."""
         self._requests.fail_pending(request_id, reason)
 
+    def decline(self, request_id: str) -> None:
+        """Decode computes ``request_id`` itself: its READYs (waiting or still to come) are
+        answered READ_DONE with nothing read, so prefill frees its buffers at once. Any
+        thread."""
+        self._parking.decline(request_id)
+
+    @property
+    def parked_readies(self) -> int:
+        """READYs that had to wait for their destination (for tests and metrics)."""
+        return self._parking.parked
+
+    @property
+    def expired_readies(self) -> int:
+        """READYs whose destination never appeared within ``destination_wait_s``."""
+        return self._parking.expired
+
     def forget(self, request_id: str) -> None:
         """Drop what is remembered about a request (its blocks were released).
 
@@ -272,7 +301,8 @@ class DecodeReceiver:
         poller.register(self._wake_in, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while True:
-            events = dict(poller.poll())
+            wait_s = self._parking.next_check_s(time.monotonic(), PARKED_POLL_S)
+            events = dict(poller.poll(None if wait_s is None else math.ceil(wait_s * 1e3)))
             if self._wake_in in events:
                 return
             if self._monitor in events:
@@ -283,6 +313,24 @@ class DecodeReceiver:
                     self._on_frames(parts)
                 except Exception:  # a bug must not take the rank's control plane down
                     log.exception("decode %s: unexpected error handling a frame", self.endpoint)
+            if len(self._parking):
+                try:
+                    self._read_parked()
+                except Exception:
+                    log.exception("decode %s: unexpected error reading a waiting READY",
+                                  self.endpoint)
+
+    def _read_parked(self) -> None:
+        for identity, batch, waited in self._parking.due(time.monotonic(), self._resolve):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("decode %s: READY layer %d seq %d (requests %s) waited %.1f ms for "
+                          "its destination", self.endpoint, batch.layer_index, batch.seq,
+                          _ids(batch), waited * 1e3)
+            if waited >= self._parking.wait_s:
+                log.warning("decode %s: READY layer %d seq %d (requests %s) waited %.1f s and "
+                            "decode registered no destination for it", self.endpoint,
+                            batch.layer_index, batch.seq, _ids(batch), waited)
+            self._read_layer(identity, batch)
 
     def _on_monitor_events(self) -> None:
         """Log connections ZMQ closed: a peer that went away, or one whose frame broke the size
@@ -372,6 +420,8 @@ class DecodeReceiver:
     # -- handshake ------------------------------------------------------------------------------
 
     def _on_handshake(self, identity: bytes, meta: MfMeta) -> None:
+        for waiting in self._parking.drop(identity):  # the old session's READYs, in order
+            self._read_layer(identity, waiting)
         label = (f"{meta.instance_id} rank {meta.p_rank}/{meta.p_tp_size} "
                  f"(engine {meta.engine_session_id})")
         reason = check_handshake(meta, self._layout, backend=self._backend,
@@ -405,6 +455,10 @@ class DecodeReceiver:
     # -- READY -> pull -> DONE / FAILED ----------------------------------------------------------
 
     def _on_ready(self, identity: bytes, batch: ReadReadyBatch) -> None:
+        if not self._parking.offer(identity, batch, time.monotonic(), self._resolve):
+            self._read_layer(identity, batch)
+
+    def _read_layer(self, identity: bytes, batch: ReadReadyBatch) -> None:
         started = time.perf_counter()
         with self._lock:
             session = self._sessions.get(identity)
@@ -419,7 +473,8 @@ class DecodeReceiver:
         targets: dict[str, RequestDestination | None] = {}
         try:
             for request in batch.requests:
-                targets[request.request_id] = self._resolve(request.request_id)
+                targets[request.request_id] = self._parking.destination(request.request_id,
+                                                                        self._resolve)
             plan = self._plan(session, batch, targets)
         except ReadRejected as exc:
             self._fail_layer(identity, session, batch, targets, str(exc), started)

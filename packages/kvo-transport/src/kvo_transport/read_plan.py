@@ -101,16 +101,29 @@ class RequestDestination:
     ``main_block_ids[i]`` is the block of the decode's main destination (its host pool or its
     own KV cache) that holds the request's logical block ``i``; ``indexer_block_ids`` likewise
     for the indexer (defaults to the main ids when both caches share a block table).
+
+    Logical blocks below ``first_block`` are decode's own (its prefix cache already holds
+    them): a READY may name them (a prefill that did not know decode's prefix sends from block
+    0), but nothing is read into them and their ids are never looked at.
     """
 
     main_block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     indexer_block_ids: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(_int_tuple))
+    first_block: int = attrs.field(default=0, converter=operator.index)
+
+    @classmethod
+    def nothing(cls) -> RequestDestination:
+        """A request decode computes itself: every block a READY names is skipped."""
+        return cls(main_block_ids=(), first_block=NOTHING_WANTED)
 
     @property
     def indexer_ids(self) -> tuple[int, ...]:
         return self.main_block_ids if self.indexer_block_ids is None else self.indexer_block_ids
 
+
+NOTHING_WANTED = 1 << 62
+"""``first_block`` of :meth:`RequestDestination.nothing`: beyond any logical block."""
 
 Resolver = Callable[[str], "RequestDestination | None"]
 """request id -> its destination blocks, or None when decode does not know the request."""
@@ -246,12 +259,12 @@ def intended_destination(dest: DestinationLayer, request: ReadyRequest,
     """
     if target is None:
         return (), ()
-    scale = dest.block_size_scale
-    main = _clipped(target.main_block_ids, request.main_start_block * scale,
+    scale, first = dest.block_size_scale, target.first_block
+    main = _clipped(target.main_block_ids, max(first, request.main_start_block * scale),
                     (request.main_start_block + len(request.main_block_ids)) * scale)
     indexer: tuple[int, ...] = ()
     if dest.indexer is not None:
-        indexer = _clipped(target.indexer_ids, request.indexer_start_block * scale,
+        indexer = _clipped(target.indexer_ids, max(first, request.indexer_start_block * scale),
                            (request.indexer_start_block + len(request.indexer_block_ids)) * scale)
     return main, indexer
 
@@ -271,7 +284,7 @@ def _plan_request(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyBat
             raise ReadRejected(f"member 0 must send all {count} main blocks of the chunk, "
                                f"sent {len(request.main_block_ids)}")
         main_written = _add_group(out, "main", source.main, dest.main, request.main_block_ids,
-                                  target.main_block_ids, start, scale)
+                                  target.main_block_ids, start, scale, target.first_block)
     elif request.main_block_ids:
         raise ReadRejected(f"member {batch.member} sent {len(request.main_block_ids)} main "
                            f"blocks; only member 0 moves main KV")
@@ -292,31 +305,35 @@ def _plan_request(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyBat
             f"split {batch.ratio} ways")
     if ids:
         indexer_written = _add_group(out, "indexer", source.indexer, dest.indexer, ids,
-                                     target.indexer_ids, begin, scale)
+                                     target.indexer_ids, begin, scale, target.first_block)
         if source.indexer_scale is not None and dest.indexer_scale is not None:
             _add_group(out, "int8 indexer scale", source.indexer_scale, dest.indexer_scale,
-                       ids, target.indexer_ids, begin, scale)
+                       ids, target.indexer_ids, begin, scale, target.first_block)
     return main_written, indexer_written
 
 
 def _add_group(out: _Descriptors, what: str, src: TensorGroup, dst: DestinationGroup,
                src_ids: tuple[int, ...], dst_ids: tuple[int, ...], start: int,
-               scale: int) -> tuple[int, ...]:
+               scale: int, first_block: int = 0) -> tuple[int, ...]:
     """Descriptors moving source blocks ``src_ids`` (logical ``start``...) into ``dst_ids``.
 
     Source block ``j`` is ``scale`` decode blocks laid end to end; they land in the decode
-    blocks of logical positions ``(start + j) * scale + k``.
+    blocks of logical positions ``(start + j) * scale + k``, except positions below
+    ``first_block`` (decode's own prefix: skipped).
     """
     first, last = start * scale, (start + len(src_ids)) * scale
-    if last > len(dst_ids):
-        raise ReadRejected(f"{what} blocks [{start}, {start + len(src_ids)}) need decode "
-                           f"logical blocks [{first}, {last}) but the destination has "
-                           f"{len(dst_ids)}")
-    written = dst_ids[first:last]
+    wanted = max(first, first_block)
     for block in src_ids:
         if block >= src.num_blocks:
             raise ReadRejected(f"{what} source block {block} is outside the prefill region of "
                                f"{src.num_blocks} blocks")
+    if wanted >= last:
+        return ()
+    if last > len(dst_ids):
+        raise ReadRejected(f"{what} blocks [{start}, {start + len(src_ids)}) need decode "
+                           f"logical blocks [{wanted}, {last}) but the destination has "
+                           f"{len(dst_ids)}")
+    written = dst_ids[wanted:last]
     for block in written:
         if not 0 <= block < dst.num_blocks:
             raise ReadRejected(f"{what} destination block {block} is outside the decode region "
@@ -328,7 +345,8 @@ def _add_group(out: _Descriptors, what: str, src: TensorGroup, dst: DestinationG
         for block in src_ids:
             remote = src_base + block * src_bytes
             for k in range(scale):
-                out.add(dst_base + dst_ids[position] * dst_bytes, remote + k * dst_bytes,
-                        dst_bytes)
+                if position >= wanted:
+                    out.add(dst_base + dst_ids[position] * dst_bytes, remote + k * dst_bytes,
+                            dst_bytes)
                 position += 1
     return written

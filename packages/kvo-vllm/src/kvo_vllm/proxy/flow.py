@@ -1,10 +1,18 @@
-"""One OpenAI request through the decode-first P/D flow (DESIGN.md section 10).
+"""One OpenAI request through the P/D flow (DESIGN.md section 10).
 
 1. The request goes to decode with ``do_remote_prefill``: decode allocates the prompt's blocks
    and advertises them (its control endpoints, the prefix it already holds) to the proxy.
 2. The proxy sends the request to prefill with ``do_remote_decode`` and ``max_tokens=1``: the
    prefill computes layer by layer and publishes each layer; decode pulls.
 3. Decode generates and the proxy relays its answer (streamed or not) to the client.
+
+Step 2 waits for step 1's advertisement only for a decode the proxy has not heard from yet.
+Once a decode's control endpoints are known (from its first advertisement), the proxy posts
+prefill and decode at once: prefill derives which blocks to send from its own prompt and sends
+from block 0, decode reads only what its prefix cache lacks, and a layer that arrives before
+decode registered the request waits for it there (kvo_transport.ready_parking; its read is
+fenced like any other). That takes decode's scheduling off the path before prefill starts.
+A hand-off failure forgets the endpoints: the next request to that decode goes decode-first.
 
 Failures end cleanly: a decode error is relayed as is; a prefill that cannot hand the KV off
 (it names the reason, e.g. a refused handshake) or answers with an error aborts the decode
@@ -34,6 +42,8 @@ from kvo_vllm.remote_d2h.params import DecodePullParams, PrefillSendParams
 logger = logging.getLogger("kvo.proxy")
 
 PREFILL_DROPPED_KEYS = ("stream_options", "min_tokens")
+TRANSFER_ERROR = "kvo_transfer_error"
+"""Error type of a request whose KV could not be handed from prefill to decode."""
 
 
 @attrs.frozen
@@ -60,6 +70,8 @@ class RequestRecord:
     first_byte_s: float | None = None
     total_s: float | None = None
     skip_blocks: int | None = None
+    concurrent: bool = False
+    """Prefill was posted with decode at once (decode's endpoints were known)."""
     outcome: str = "running"
 
 
@@ -88,6 +100,8 @@ class Flow:
         self._next_decode = 0
         self.records: deque[RequestRecord] = deque(maxlen=1000)
         self._background: set[asyncio.Future[Any]] = set()
+        self._endpoints: dict[str, tuple[str, ...]] = {}
+        """decode URL -> its control endpoints, from its latest advertisement."""
 
     def _pick(self) -> tuple[str, str]:
         prefill = self.config.prefill_urls[self._next_prefill % len(self.config.prefill_urls)]
@@ -136,20 +150,39 @@ class Flow:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         decode_call = asyncio.ensure_future(self.session.post(
             decode_url + path, json=decode_body, timeout=timeout, headers={"X-Request-Id": tid}))
+        ready.add_done_callback(lambda done: self._remember(decode_url, done))
+        known = self._endpoints.get(decode_url)
         try:
-            topology, first = await self._wait_ready(ready, decode_call, decode_url, record)
-            if topology is not None:
-                record.ready_s = time.monotonic() - record.started
-                record.skip_blocks = topology.skip_blocks
-                first = await self._prefill(prefill_url, path, body, topology, failed,
+            if known is not None:
+                record.concurrent = True
+                first = await self._prefill(prefill_url, path, body, known, None, 0, failed,
                                             decode_call, decode_url, record)
+            else:
+                topology, first = await self._wait_ready(ready, decode_call, decode_url, record)
+                if topology is not None:
+                    record.ready_s = time.monotonic() - record.started
+                    record.skip_blocks = topology.skip_blocks
+                    first = await self._prefill(
+                        prefill_url, path, body, topology.endpoints, topology.num_blocks,
+                        topology.skip_blocks, failed, decode_call, decode_url, record)
             try:
                 decode = await decode_call
             except aiohttp.ClientError as error:
                 raise ProxyError(502, f"decode at {decode_url} failed: {error}") from error
             return await self._relay(request, decode, record, first)
+        except ProxyError as error:
+            if error.kind == TRANSFER_ERROR:  # next time: wait for decode's word
+                ready.cancel()
+                self._endpoints.pop(decode_url, None)
+            raise
         finally:
             await _abort(decode_call)
+
+    def _remember(self, decode_url: str, ready: asyncio.Future[DecodeTopology]) -> None:
+        """Keep the endpoints of a decode's advertisement for its next requests."""
+        if ready.cancelled() or ready.exception() is not None:
+            return
+        self._endpoints[decode_url] = ready.result().endpoints
 
     async def _wait_ready(self, ready: asyncio.Future[DecodeTopology],
                           decode_call: asyncio.Future[aiohttp.ClientResponse], decode_url: str,
@@ -186,7 +219,8 @@ class Flow:
                 pending.add(first_chunk)
 
     async def _prefill(self, prefill_url: str, path: str, body: Mapping[str, Any],
-                       topology: DecodeTopology, failed: asyncio.Future[str],
+                       endpoints: tuple[str, ...], stop_block: int | None, skip_blocks: int,
+                       failed: asyncio.Future[str],
                        decode_call: asyncio.Future[aiohttp.ClientResponse], decode_url: str,
                        record: RequestRecord) -> bytes:
         """Run the prefill half; the decode bytes that already arrived (b"" if none).
@@ -201,9 +235,8 @@ class Flow:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         prefill_body["kv_transfer_params"] = PrefillSendParams(
-            transfer_id=record.transfer_id, decode_endpoints=topology.endpoints,
-            stop_block=topology.num_blocks, skip_blocks=topology.skip_blocks,
-            notify_url=self.config.notify_url).to_params()
+            transfer_id=record.transfer_id, decode_endpoints=endpoints, stop_block=stop_block,
+            skip_blocks=skip_blocks, notify_url=self.config.notify_url).to_params()
         started = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         call = asyncio.ensure_future(self._post_json(prefill_url + path, prefill_body, timeout,
@@ -230,7 +263,7 @@ class Flow:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if failed in done:
                     raise ProxyError(502, f"prefill could not hand the KV to decode: "
-                                          f"{failed.result()}", kind="kvo_transfer_error")
+                                          f"{failed.result()}", kind=TRANSFER_ERROR)
                 if probe is not None and probe in done:
                     return self._early_decode_bytes(probe, decode_url, call)
                 if call in done:
@@ -251,7 +284,7 @@ class Flow:
         await asyncio.sleep(0)
         if failed.done() and not failed.cancelled():
             raise ProxyError(502, f"prefill could not hand the KV to decode: {failed.result()}",
-                             kind="kvo_transfer_error")
+                             kind=TRANSFER_ERROR)
         return b""
 
     def _early_decode_bytes(self, probe: asyncio.Future[bytes], decode_url: str,

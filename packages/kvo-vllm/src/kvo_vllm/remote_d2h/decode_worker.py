@@ -201,7 +201,8 @@ class DecodePuller:
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
             retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
-            control_secret=config.control_secret).start()
+            control_secret=config.control_secret,
+            destination_wait_s=config.destination_wait_s).start()
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
                     "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
                     layout.layers[0].main.shape[0],
@@ -217,9 +218,13 @@ class DecodePuller:
             self._register(target)
         for request_id in metadata.revoked_recvs:
             self._revoke_request(request_id, "aborted by vLLM")
+        if self._receiver is not None:
+            for transfer_id in metadata.declined_recvs:
+                self._receiver.decline(transfer_id)
 
     def _register(self, target: RecvTarget) -> None:
-        destination = RequestDestination(main_block_ids=target.block_ids)
+        destination = RequestDestination(main_block_ids=target.block_ids,
+                                         first_block=target.skip_blocks)
         if self._receiver is not None:
             self._receiver.restore(*self._blocks(target))
         with self._lock:

@@ -55,6 +55,9 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     """Decode: new destinations to register and advertise."""
     revoked_recvs: tuple[str, ...] = ()
     """Decode: request ids whose pull must stop (aborted); each is answered once as received."""
+    declined_recvs: tuple[str, ...] = ()
+    """Decode: transfer ids decode computes itself (nothing to pull, or aborted before its
+    blocks were allocated): READYs for them are answered with nothing read."""
     preempted_sends: tuple[str, ...] = ()
     """Prefill: transfer ids whose request vLLM preempted (its blocks were freed without the
     connector): their epoch words advance before this step's forward may overwrite them."""

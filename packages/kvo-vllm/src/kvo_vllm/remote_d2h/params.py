@@ -114,16 +114,19 @@ class PrefillSendParams:
     ``decode_endpoints[d]`` is decode TP rank ``d``'s control endpoint (``len == decode_tp``).
     The blocks ``[skip_blocks, stop_block)`` are sent: the leading ones are already on decode
     (its own prefix cache), and decode computes the prompt's tail after ``stop_block`` itself.
+    ``stop_block`` None: the proxy posted prefill and decode at once, not knowing what decode
+    holds; prefill derives it from the prompt (the rule decode uses) and decode skips what it
+    holds.
     """
 
     transfer_id: str
     decode_endpoints: tuple[str, ...]
-    stop_block: int
+    stop_block: int | None
     skip_blocks: int = 0
     notify_url: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not self.skip_blocks < self.stop_block:
+        if self.stop_block is not None and not self.skip_blocks < self.stop_block:
             raise TransferParamsError(
                 f"{SKIP_BLOCKS} ({self.skip_blocks}) must be below {STOP_BLOCK} "
                 f"({self.stop_block}): there must be something to send")
@@ -153,7 +156,8 @@ class PrefillSendParams:
                 f"{DECODE_TP} is {decode_tp} but {len(checked)} decode endpoints were given")
         return cls(transfer_id=check_transfer_id(params.get(TRANSFER_ID)),
                    decode_endpoints=checked,
-                   stop_block=_int_in(params.get(STOP_BLOCK), STOP_BLOCK, 1, 1 << 40),
+                   stop_block=(None if params.get(STOP_BLOCK) is None else
+                               _int_in(params.get(STOP_BLOCK), STOP_BLOCK, 1, 1 << 40)),
                    skip_blocks=_int_in(params.get(SKIP_BLOCKS, 0), SKIP_BLOCKS, 0, 1 << 40),
                    notify_url=_optional_url(params.get(NOTIFY_URL), NOTIFY_URL))
 
@@ -161,7 +165,9 @@ class PrefillSendParams:
         params: dict[str, Any] = {
             DO_REMOTE_DECODE: True, TRANSFER_ID: self.transfer_id,
             DECODE_ENDPOINTS: list(self.decode_endpoints), DECODE_TP: self.decode_tp,
-            STOP_BLOCK: self.stop_block, SKIP_BLOCKS: self.skip_blocks}
+            SKIP_BLOCKS: self.skip_blocks}
+        if self.stop_block is not None:
+            params[STOP_BLOCK] = self.stop_block
         if self.notify_url is not None:
             params[NOTIFY_URL] = self.notify_url
         return params

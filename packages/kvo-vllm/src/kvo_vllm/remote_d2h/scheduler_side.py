@@ -6,6 +6,10 @@ would take from a warm prefix cache. Decode computes the tail (the last partial 
 last full one) itself, like any vLLM answering from its prefix cache, so a P/D answer is bit
 for bit the answer plain vLLM gives with the prompt cached.
 
+The proxy may post a request to prefill before decode has said which blocks it holds: then
+``kvo_stop_block`` is absent and prefill derives ``stop`` from its own prompt (the same rule),
+sending from block 0; decode reads only the blocks from its own prefix on.
+
 Prefill (``do_remote_decode`` requests): every step that computes prompt tokens sends the
 needed blocks those tokens touched, from the first one not sent yet to the block of the step's
 last token (a block that is not full yet is sent again with the next chunk). The step that
@@ -30,6 +34,7 @@ import attrs
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata, SendChunk
 from kvo_vllm.remote_d2h.params import (
     DO_REMOTE_PREFILL,
+    TRANSFER_ID,
     DecodePullParams,
     PrefillSendParams,
     TransferParamsError,
@@ -61,14 +66,22 @@ class RemoteD2HScheduler:
         self._new_recvs: list[RecvTarget] = []
         self._pending_recvs: dict[str, str] = {}  # request id -> transfer id
         self._revoked: list[str] = []
+        self._declined: list[str] = []
 
     # -- request arrival ----------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         params = _prefill_params(request)
-        if params is not None:
-            self._sends[request.request_id] = _Send(request=request, params=params,
-                                                    next_block=params.skip_blocks)
+        if params is None:
+            return
+        if params.stop_block is None:
+            # Posted with decode at once: send every block a warm prefix cache would cover.
+            stop = (request.num_prompt_tokens - 1) // self._block_size
+            if stop <= params.skip_blocks:
+                return  # decode computes the whole prompt itself
+            params = attrs.evolve(params, stop_block=stop)
+        self._sends[request.request_id] = _Send(request=request, params=params,
+                                                next_block=params.skip_blocks)
 
     # -- decode: the prompt is an asynchronous external load -----------------------------
 
@@ -94,6 +107,7 @@ class RemoteD2HScheduler:
         if num_external_tokens <= 0:
             logger.warning("kvo remote_d2h: request %s (transfer %s) needs no remote KV; it is "
                            "computed on decode", request.request_id, params.transfer_id)
+            self._declined.append(params.transfer_id)
             return
         size = self._block_size
         pulled = self._pulled_tokens(request)
@@ -136,9 +150,9 @@ class RemoteD2HScheduler:
         metadata = RemoteD2HMetadata(
             sends=tuple(sends), abandoned_sends=tuple(self._abandoned),
             recvs=tuple(self._new_recvs), revoked_recvs=tuple(self._revoked),
-            preempted_sends=preempted,
+            declined_recvs=tuple(self._declined), preempted_sends=preempted,
             idle=not scheduler_output.num_scheduled_tokens)
-        self._abandoned, self._new_recvs, self._revoked = [], [], []
+        self._abandoned, self._new_recvs, self._revoked, self._declined = [], [], [], []
         return metadata
 
     def _plan_chunk(self, request: Any, state: _Send, scheduled: int) -> SendChunk | None:
@@ -146,6 +160,7 @@ class RemoteD2HScheduler:
             return None  # everything decode needs was sent
         size = self._block_size
         wanted = state.params.stop_block
+        assert wanted is not None  # on_new_request fills it in
         # Every token below ``end`` is in the layer buffers during this step's forward:
         # computed now, or context (a prefix hit, earlier chunks) loaded for this step.
         end = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens,
@@ -183,6 +198,10 @@ class RemoteD2HScheduler:
             # worker has stopped the pull and answered the revocation.
             self._revoked.append(request_id)
             return True, None
+        params = request.kv_transfer_params or {}
+        if params.get(DO_REMOTE_PREFILL) and isinstance(params.get(TRANSFER_ID), str):
+            # Ended before its blocks were allocated: a prefill may already be publishing.
+            self._declined.append(params[TRANSFER_ID])
         return False, None
 
 
