@@ -150,7 +150,7 @@ class Flow:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         decode_call = asyncio.ensure_future(self.session.post(
             decode_url + path, json=decode_body, timeout=timeout, headers={"X-Request-Id": tid}))
-        ready.add_done_callback(lambda done: self._remember(decode_url, done))
+        ready.add_done_callback(lambda done: self._on_ready(decode_url, record, done))
         known = self._endpoints.get(decode_url)
         try:
             if known is not None:
@@ -160,8 +160,6 @@ class Flow:
             else:
                 topology, first = await self._wait_ready(ready, decode_call, decode_url, record)
                 if topology is not None:
-                    record.ready_s = time.monotonic() - record.started
-                    record.skip_blocks = topology.skip_blocks
                     first = await self._prefill(
                         prefill_url, path, body, topology.endpoints, topology.num_blocks,
                         topology.skip_blocks, failed, decode_call, decode_url, record)
@@ -178,11 +176,16 @@ class Flow:
         finally:
             await _abort(decode_call)
 
-    def _remember(self, decode_url: str, ready: asyncio.Future[DecodeTopology]) -> None:
-        """Keep the endpoints of a decode's advertisement for its next requests."""
+    def _on_ready(self, decode_url: str, record: RequestRecord,
+                  ready: asyncio.Future[DecodeTopology]) -> None:
+        """Decode advertised the request's destination: note when, and keep its endpoints
+        for the decode's next requests."""
         if ready.cancelled() or ready.exception() is not None:
             return
-        self._endpoints[decode_url] = ready.result().endpoints
+        topology = ready.result()
+        record.ready_s = time.monotonic() - record.started
+        record.skip_blocks = topology.skip_blocks
+        self._endpoints[decode_url] = topology.endpoints
 
     async def _wait_ready(self, ready: asyncio.Future[DecodeTopology],
                           decode_call: asyncio.Future[aiohttp.ClientResponse], decode_url: str,
