@@ -176,6 +176,7 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
             for key in ("ready_s", "prefill_s", "first_byte_s"):
                 row[f"{name}_proxy_{key}"] = _median([p[key] for p in seen
                                                       if p.get(key) is not None])
+            row[f"{name}_concurrent_posts"] = sum(bool(p.get("concurrent")) for p in seen)
             if "peer" in answers:
                 row[f"ttft_ratio_{name}_to_peer"] = _paired_ratio(answers, name, "peer")
         row["same_tokens"] = all(p.token_ids == d.token_ids
@@ -338,11 +339,13 @@ def print_table(result: dict[str, Any]) -> None:
         print(line)
     for row in rows:
         for name in kvo:
-            print(f"{label[name]} at {row['prompt_tokens']} tokens, medians at the proxy from a "
-                  f"request's arrival: decode ready "
-                  f"{_fmt(row.get(f'{name}_proxy_ready_s'), 1e3)} ms, prefill answered "
-                  f"{_fmt(row.get(f'{name}_proxy_prefill_s'), 1e3)} ms after that, first "
-                  f"decode byte {_fmt(row.get(f'{name}_proxy_first_byte_s'), 1e3)} ms")
+            print(f"{label[name]} at {row['prompt_tokens']} tokens, medians at the proxy: decode "
+                  f"advertised the destination {_fmt(row.get(f'{name}_proxy_ready_s'), 1e3)} "
+                  f"ms after the request arrived, prefill answered "
+                  f"{_fmt(row.get(f'{name}_proxy_prefill_s'), 1e3)} ms after it was posted, "
+                  f"first decode byte {_fmt(row.get(f'{name}_proxy_first_byte_s'), 1e3)} ms "
+                  f"after arrival; prefill posted with decode at once in "
+                  f"{row.get(f'{name}_concurrent_posts', 0)}/{row['rounds']} rounds")
     ratio = result["prefill_kv_footprint_ratio"]
     print(f"kvo: prefill device KV footprint ratio (reuse / none): {_fmt(ratio, 1, 3)}; "
           f"pulled {result['pulled_bytes'] / (1 << 20):.1f} MiB in "
