@@ -179,6 +179,22 @@ def test_pd_answers_equal_plain_vllm(deployment: Deployment) -> None:
     assert decode["same_host_bytes"] >= pulled > 0  # >=: fence reads go the same way
     assert set(decode["per_layer"]) == {str(i) for i in range(NUM_LAYERS)}
     assert prefill["sends_done"] >= len(cases) and prefill["in_flight_sends"] == 0
+    # From the decode's second request on, the proxy posted prefill with decode at once.
+    records = _proxy_records(deployment)[-len(cases):]
+    assert all(r["concurrent"] for r in records[1:]), records
+    assert all(r["ready_s"] is not None and r["outcome"] == "ok" for r in records), records
+    # A prompt decode holds whole in its prefix cache: decode declines the pull, computes the
+    # rest itself, and the prefill's READYs are answered with nothing read (not failures).
+    prompt = _prompt("delta", 1100)
+    _, warm = _plain_answers(deployment, prompt)
+    again = _complete(deployment.proxy, prompt)
+    assert again.ok, again.error
+    assert again.token_ids == warm.token_ids and again.logprobs == warm.logprobs
+    time.sleep(1.0)
+    after = deployment.stats("prefill")["remote"]["prefill"]
+    assert after["sends_failed"] == prefill["sends_failed"]
+    assert after["in_flight_sends"] == 0 and after["in_flight_reads"] == 0
+    assert deployment.stats("decode")["decode"]["failed"] == 0
 
 
 def test_buffer_reuse_is_active_on_prefill(deployment: Deployment) -> None:
