@@ -180,9 +180,11 @@ def test_pd_answers_equal_plain_vllm(deployment: Deployment) -> None:
     assert set(decode["per_layer"]) == {str(i) for i in range(NUM_LAYERS)}
     assert prefill["sends_done"] >= len(cases) and prefill["in_flight_sends"] == 0
     # From the decode's second request on, the proxy posted prefill with decode at once.
-    records = _proxy_records(deployment)[-len(cases):]
-    assert all(r["concurrent"] for r in records[1:]), records
-    assert all(r["ready_s"] is not None and r["outcome"] == "ok" for r in records), records
+    # (Decode's advertisement may reach the proxy after such a request ended: its ready_s is
+    # then unset; the posts no longer wait for it.)
+    records = [(r["concurrent"], r["outcome"]) for r in _proxy_records(deployment)[-len(cases):]]
+    assert all(outcome == "ok" for _, outcome in records), records
+    assert all(concurrent for concurrent, _ in records[1:]), records
     # A prompt decode holds whole in its prefix cache: decode declines the pull, computes the
     # rest itself, and the prefill's READYs are answered with nothing read (not failures).
     prompt = _prompt("delta", 1100)
