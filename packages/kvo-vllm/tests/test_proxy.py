@@ -37,6 +37,8 @@ class Fakes:
     decode_bodies: list[dict[str, Any]] = attrs.Factory(list)
     prefill_bodies: list[dict[str, Any]] = attrs.Factory(list)
     decode_cancelled: int = 0
+    stream_pause_s: float = 0.0
+    """Decode pauses this long between its streamed events."""
     prefilled: asyncio.Event = attrs.Factory(asyncio.Event)
 
 
@@ -80,6 +82,7 @@ def _decode_app(fakes: Fakes) -> web.Application:
         await response.prepare(request)
         for chunk in STREAM:
             await response.write(chunk)
+            await asyncio.sleep(fakes.stream_pause_s)
         await response.write_eof()
         return response
 
@@ -200,6 +203,37 @@ def test_streams_are_relayed_chunk_by_chunk() -> None:
             assert await response.read() == b"".join(STREAM)
 
     _run(Fakes(), scenario)
+
+
+def test_a_client_that_stops_reading_is_recorded_not_left_running() -> None:
+    """A client that closes at [DONE] (before the stream's end marker) got its whole answer:
+    the record says ok; one that closes mid-stream is recorded as gone, not "running"."""
+    fakes = Fakes(stream_pause_s=0.3)
+
+    async def records(proxy: str, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            return list((await response.json())["requests"])
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        async with aiohttp.ClientSession() as reader:
+            response = await reader.post(proxy + "/v1/completions",
+                                         json={**BODY, "stream": True})
+            assert await response.content.readuntil(b"\n\n") == STREAM[0]
+            response.close()  # gone before the second event
+        async with aiohttp.ClientSession() as reader:
+            response = await reader.post(proxy + "/v1/completions",
+                                         json={**BODY, "stream": True})
+            while await response.content.readuntil(b"\n\n") != STREAM[-1]:
+                pass
+            response.close()  # stops at [DONE]
+        for _ in range(40):
+            outcomes = [r["outcome"] for r in await records(proxy, session)]
+            if "running" not in outcomes:
+                break
+            await asyncio.sleep(0.1)
+        assert outcomes == ["client went away", "ok"]
+
+    _run(fakes, scenario)
 
 
 def test_a_refused_hand_off_aborts_decode_with_a_clear_error() -> None:

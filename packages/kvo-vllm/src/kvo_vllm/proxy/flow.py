@@ -135,6 +135,13 @@ class Flow:
             record.outcome = f"error: {error}"
             logger.warning("request %s failed: %s", record.transfer_id, error)
             return error.response()
+        except (ClientGoneError, ConnectionResetError) as error:
+            record.outcome = "client went away"
+            logger.info("request %s: the client closed the connection before the answer ended",
+                        record.transfer_id)
+            if isinstance(error.__cause__, ConnectionResetError):
+                raise error.__cause__ from None  # what aiohttp expects of a gone client
+            raise
         finally:
             record.total_s = time.monotonic() - record.started
             self.hub.forget(record.transfer_id)
@@ -344,7 +351,10 @@ class Flow:
             async for chunk in decode.content.iter_any():
                 if record.first_byte_s is None:
                     record.first_byte_s = time.monotonic() - record.started
-                await response.write(chunk)
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError as gone:  # aiohttp's is a ClientError too
+                    raise ClientGoneError from gone
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             # The status line is out already: end the stream with an error event, so the
             # client sees a failure instead of a silently short answer.
@@ -353,8 +363,17 @@ class Flow:
             event = {"error": {"message": f"decode stream broke: {error}",
                                "type": "kvo_proxy_error", "code": 502}}
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            # Every event was written; the client stopped reading at the last one ([DONE]).
+            logger.debug("request %s: the client closed before the stream's end marker",
+                         record.transfer_id)
         return response
+
+
+class ClientGoneError(Exception):
+    """The client closed its connection while the proxy still wrote the answer to it."""
 
 
 def _streaming(call: asyncio.Future[aiohttp.ClientResponse]) -> bool:
