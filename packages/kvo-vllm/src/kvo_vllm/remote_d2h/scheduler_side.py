@@ -50,6 +50,8 @@ SKIPPED_BLOCK = -1
 class _Send:
     request: Any
     params: PrefillSendParams
+    stop_block: int
+    """Send blocks below this one: the proxy's, or decode's rule when it gave none."""
     next_block: int
     published: bool = False
     finished_prompt: bool = False
@@ -74,13 +76,13 @@ class RemoteD2HScheduler:
         params = _prefill_params(request)
         if params is None:
             return
-        if params.stop_block is None:
-            # Posted with decode at once: send every block a warm prefix cache would cover.
-            stop = (request.num_prompt_tokens - 1) // self._block_size
+        stop = params.stop_block
+        if stop is None:
+            # Posted with decode at once: send every block decode will pull (its own rule).
+            stop = self._pulled_tokens(request) // self._block_size
             if stop <= params.skip_blocks:
                 return  # decode computes the whole prompt itself
-            params = attrs.evolve(params, stop_block=stop)
-        self._sends[request.request_id] = _Send(request=request, params=params,
+        self._sends[request.request_id] = _Send(request=request, params=params, stop_block=stop,
                                                 next_block=params.skip_blocks)
 
     # -- decode: the prompt is an asynchronous external load -----------------------------
@@ -159,8 +161,7 @@ class RemoteD2HScheduler:
         if state.finished_prompt:
             return None  # everything decode needs was sent
         size = self._block_size
-        wanted = state.params.stop_block
-        assert wanted is not None  # on_new_request fills it in
+        wanted = state.stop_block
         # Every token below ``end`` is in the layer buffers during this step's forward:
         # computed now, or context (a prefix hit, earlier chunks) loaded for this step.
         end = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens,
