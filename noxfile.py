@@ -127,14 +127,31 @@ def _shell_quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
+# A hung test fails on its own after this long (pytest-timeout; the slowest test, fixture set-up
+# included, takes about 95 s here) and the run goes on; a whole run that outlives its session's
+# limit is interrupted (SIGINT: pytest prints where it stood and its summary). Both turn a hang
+# into a failure that names its place, long before CI's own limit.
+TEST_TIMEOUT_S = 600
+RUN_LIMIT_S = {"core": 900, "kernels": 900, "transport": 900, "vllm": 900, "integration": 900,
+               "e2e": 2400}
+PYTEST_PLUGINS = ROOT / "tools" / "pytest_plugins"
+
+
 def run_pytest(session: nox.Session, *paths: str, netns: bool = False,
                env: dict[str, str] | None = None) -> None:
     if not any(any((ROOT / p).rglob("test_*.py")) for p in paths):
         session.skip(f"no test files under {paths} yet")
-    argv = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+    argv: tuple[str, ...] = (
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "-p", "kvo_exit_after_report", f"--timeout={TEST_TIMEOUT_S}", *paths, *session.posargs)
     if netns:
         argv = in_loopback_namespace(*argv)
-    session.run(*argv, env=env or BASE_ENV, external=True)
+    limit_s = RUN_LIMIT_S.get(session.name, 900)
+    argv = ("timeout", "--signal=INT", "--kill-after=60", str(limit_s), *argv)
+    run_env = dict(env or BASE_ENV)
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PYTEST_PLUGINS), os.environ.get("PYTHONPATH", "")) if p)
+    session.run(*argv, env=run_env, external=True)
 
 
 @nox.session
