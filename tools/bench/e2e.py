@@ -78,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="leave out vLLM's own MooncakeConnector pair")
     parser.add_argument("--no-d2h", dest="d2h", action="store_false",
                         help="leave out kvo's P/D-only prefill (RemoteD2HConnector alone)")
+    parser.add_argument("--decode-first", action="store_true",
+                        help="kvo's proxies wait for decode's advertisement before posting "
+                             "prefill on every request (default: prefill and decode at once "
+                             "once a decode's endpoints are known)")
     parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
                         help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
                              "both (default)")
@@ -234,7 +238,9 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
                                         decode_transfer_config(kv_port, decode_stats),
                                         max_model_len=max_len,
                                         extra_args=[*steps, *decode_args], **shape)
-            proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
+            flow_args = ["--decode-first"] if args.decode_first else []
+            proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "",
+                                        extra_args=flow_args)
             servers = [plain, prefill, decode, proxy]
             urls = {"plain": plain.url or "", "pd": proxy.url or ""}
             if args.d2h:
@@ -248,7 +254,8 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
                     "decode-d2h", model, free_port(), decode_transfer_config(kv_port_d2h),
                     max_model_len=max_len, extra_args=[*steps, *decode_args], **shape)
                 proxy_d2h = cluster.start_proxy(free_port(), prefill_d2h.url or "",
-                                                decode_d2h.url or "", name="proxy-d2h")
+                                                decode_d2h.url or "", extra_args=flow_args,
+                                                name="proxy-d2h")
                 servers += [prefill_d2h, decode_d2h, proxy_d2h]
                 urls["pd_d2h"] = proxy_d2h.url or ""
             if with_peer:

@@ -115,13 +115,14 @@ def _prefill_app(fakes: Fakes) -> web.Application:
     return app
 
 
-def _run(fakes: Fakes, scenario: Callable[[str, aiohttp.ClientSession], Awaitable[None]]
-         ) -> None:
+def _run(fakes: Fakes, scenario: Callable[[str, aiohttp.ClientSession], Awaitable[None]],
+         concurrent_post: bool = True) -> None:
     async def main() -> None:
         socks = [_port() for _ in range(3)]
         urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
         config = ProxyConfig(prefill_urls=(urls[1],), decode_urls=(urls[2],),
-                             notify_url=urls[0] + NOTIFY_PATH, ready_timeout_s=5)
+                             notify_url=urls[0] + NOTIFY_PATH, ready_timeout_s=5,
+                             concurrent_post=concurrent_post)
         runners = [await _serve(build_app(config), socks[0]),
                    await _serve(_prefill_app(fakes), socks[1]),
                    await _serve(_decode_app(fakes), socks[2])]
@@ -193,6 +194,23 @@ def test_a_known_decode_gets_prefill_at_once_until_a_hand_off_fails() -> None:
         assert "kvo_stop_block" not in at_once and at_once["kvo_skip_blocks"] == 0
         assert at_once["kvo_decode_endpoints"] == [ENDPOINT]
     assert params[3]["kvo_stop_block"] == 4
+
+
+def test_decode_first_switch_waits_for_every_advertisement() -> None:
+    fakes = Fakes()
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        for _ in range(3):
+            async with session.post(proxy + "/v1/completions", json=BODY) as response:
+                assert response.status == 200
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            records = (await response.json())["requests"]
+        assert [(r["concurrent"], r["outcome"]) for r in records] == [(False, "ok")] * 3
+
+    _run(fakes, scenario, concurrent_post=False)
+    for body in fakes.prefill_bodies:  # each one told decode's stop block and prefix
+        params = body["kv_transfer_params"]
+        assert (params["kvo_skip_blocks"], params["kvo_stop_block"]) == (1, 4)
 
 
 def test_streams_are_relayed_chunk_by_chunk() -> None:

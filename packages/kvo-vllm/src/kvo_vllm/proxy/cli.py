@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds to wait for decode to allocate a request's KV (default 120)")
     p.add_argument("--request-timeout", type=_positive, default=600.0,
                    help="seconds a whole request may take (default 600)")
+    p.add_argument("--decode-first", action="store_true",
+                   help="always wait for decode to advertise a request's destination before "
+                        "posting prefill (default: once a decode's control endpoints are known, "
+                        "post prefill and decode at once)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     base = args.notify_url or f"http://{args.host}:{args.port}"
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
                          notify_url=base + NOTIFY_PATH, ready_timeout_s=args.ready_timeout,
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout,
+                         concurrent_post=not args.decode_first)
     web.run_app(build_app(config, key), host=args.host, port=args.port, print=None,
                 access_log=None)
     return 0

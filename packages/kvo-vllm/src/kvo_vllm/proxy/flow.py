@@ -55,6 +55,9 @@ class ProxyConfig:
     notify_url: str
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
+    concurrent_post: bool = True
+    """Post prefill with decode at once for a decode whose endpoints are known; False: every
+    request waits for decode's advertisement first (``--decode-first``)."""
 
 
 @attrs.define
@@ -158,7 +161,7 @@ class Flow:
         decode_call = asyncio.ensure_future(self.session.post(
             decode_url + path, json=decode_body, timeout=timeout, headers={"X-Request-Id": tid}))
         ready.add_done_callback(lambda done: self._on_ready(decode_url, record, done))
-        known = self._endpoints.get(decode_url)
+        known = self._endpoints.get(decode_url) if self.config.concurrent_post else None
         try:
             if known is not None:
                 record.concurrent = True
