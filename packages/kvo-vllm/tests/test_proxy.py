@@ -17,8 +17,8 @@ import aiohttp
 import attrs
 from aiohttp import web
 
-from kvo_vllm.proxy.app import NOTIFY_PATH, build_app
-from kvo_vllm.proxy.flow import ProxyConfig
+from kvo_vllm.proxy.app import ENGINE_KEEPALIVE_S, NOTIFY_PATH, build_app
+from kvo_vllm.proxy.flow import Flow, ProxyConfig
 from kvo_vllm.remote_d2h.params import DecodeReady, PrefillFailed
 
 ENDPOINT = "tcp://127.0.0.1:20100"
@@ -314,3 +314,29 @@ def test_bad_client_requests_are_refused_at_the_door() -> None:
             assert r.status == 400
 
     _run(Fakes(), scenario)
+
+
+def test_pooled_engine_connections_are_dropped_before_vllm_closes_them() -> None:
+    """A request sent on a connection the engine is closing fails ("Server disconnected"):
+    the proxy must let idle ones go before vLLM's API server does."""
+    import vllm.envs
+
+    assert ENGINE_KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+    async def main() -> None:
+        app = build_app(ProxyConfig(prefill_urls=("http://127.0.0.1:9",),
+                                    decode_urls=("http://127.0.0.1:9",),
+                                    notify_url="http://127.0.0.1:9" + NOTIFY_PATH))
+        runner = web.AppRunner(app)
+        await runner.setup()  # runs the cleanup context that opens the engine session
+        try:
+            flows = [v for v in app.values() if isinstance(v, Flow)]
+            assert len(flows) == 1
+            connector = flows[0].session.connector
+            assert connector is not None
+            assert connector._keepalive_timeout == ENGINE_KEEPALIVE_S
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+

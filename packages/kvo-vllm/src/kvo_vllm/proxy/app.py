@@ -29,6 +29,11 @@ logger = logging.getLogger("kvo.proxy")
 NOTIFY_PATH = "/kvo/v1/notify"
 METADATA_PATH = "/kvo/v1/metadata"
 MAX_NOTIFY_BYTES = 64 * 1024
+ENGINE_KEEPALIVE_S = 2.0
+"""How long an idle connection to an engine is kept for reuse. vLLM's API server closes idle
+ones after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request sent on a pooled connection just as
+the server closes it fails with "Server disconnected" (seen in the e2e bench, requests ~5 s
+apart), so the proxy drops them well before."""
 
 _FLOW = web.AppKey("flow", Flow)
 _HUB = web.AppKey("hub", NotifyHub)
@@ -49,7 +54,7 @@ def build_app(config: ProxyConfig, control_key: ControlKey | None = None) -> web
     app[_VERIFIER] = NotifyVerifier(control_key)
 
     async def session_context(app: web.Application) -> Any:
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
         async with aiohttp.ClientSession(connector=connector) as session:
             app[_FLOW] = Flow(config, hub, session)
             yield
