@@ -289,6 +289,24 @@ def test_dense_models_keep_vllm_cpu_backends() -> None:
         CpuPlatform.get_attn_backend_cls(None, sparse)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_engine_settings_do_not_depend_on_the_cpus_amx(engine_env: None, dsv32_model: Path,
+                                                        amx: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-CPU keeps its prefix cache (and chunked prefill) for MLA only on CPUs with AMX
+    tiles; kvo's platform gives a sparse model the same settings on both kinds of CPU."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    config = EngineArgs(model=str(dsv32_model), dtype="float32", enforce_eager=True,
+                        max_model_len=1024, max_num_batched_tokens=STEP_TOKENS,
+                        enable_prefix_caching=True).create_engine_config()
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.block_size == 64
+    assert config.scheduler_config.enable_chunked_prefill is True
+    assert config.scheduler_config.max_num_batched_tokens == STEP_TOKENS
+
+
 def test_each_layer_output_equals_the_reference_sparse_attention(served: Served) -> None:
     layers = {check.layer for check in served.checks}
     assert len(layers) == NUM_LAYERS

@@ -12,7 +12,10 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   kvo's backend and indexer take any size, 64 is DeepSeek's indexer block) unless the user set
   one, keeps chunked prefill and the batch token budget as the user configured them (stock turns
   chunked prefill off for MLA because CPU_MLA cannot continue a prefill; kvo's backend runs
-  every token through sparse attention over its own top-k, so it can), and validates kvo's
+  every token through sparse attention over its own top-k, so it can), turns vLLM's prefix cache
+  off on every CPU (stock turns it off for MLA only where the CPU lacks AMX tiles: kvo's backend,
+  its host pool and the P/D pulls are built and tested without shared cached blocks, and a
+  machine's instruction set must not change what a deployment does), and validates kvo's
   sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up; with
   ``mode="offload"`` the backend is the offload one and vLLM's block count the host pool's
   (:mod:`kvo_vllm.dsa.offload_backend`).
@@ -57,6 +60,10 @@ class KvoCpuPlatform(CpuPlatform):
         batched_tokens = scheduler.max_num_batched_tokens
         super().check_and_update_config(vllm_config)
         cache.block_size = user_block_size or DSA_BLOCK_SIZE
+        if cache.enable_prefix_caching:
+            logger.info("kvo: prefix caching turned off for the sparse MLA model (kvo's sparse "
+                        "backend does not share cached blocks between requests)")
+            cache.enable_prefix_caching = False
         scheduler.enable_chunked_prefill = chunked_prefill
         scheduler.max_num_batched_tokens = batched_tokens
         config = sparse_config_for(vllm_config)
