@@ -116,15 +116,17 @@ def _prefill_request(rid: str, prompt: int, stop: int, skip: int = 0) -> FakeReq
     return FakeRequest(rid, prompt, params)
 
 
-def test_prefill_chunks_resend_partial_blocks_and_stop_at_the_wanted_block() -> None:
+def test_prefill_chunks_send_each_block_once_when_full_and_stop_at_the_wanted_block() -> None:
     blocks = {"r": list(range(100, 106))}  # 22 tokens -> 6 blocks; decode wants 5
     scheduler = _scheduler(blocks)
     request = _prefill_request("r", 22, stop=5, skip=1)
     scheduler.on_new_request(request)
-    first = _step(scheduler, {"r": 10}).sends[0]  # tokens [0, 10): blocks 1, 2 (partial)
-    assert (first.start_block, first.block_ids, first.last) == (1, (101, 102), False)
+    first = _step(scheduler, {"r": 10}).sends[0]  # tokens [0, 10): block 1 (2 is partial)
+    assert (first.start_block, first.block_ids, first.last) == (1, (101,), False)
     request.num_computed_tokens = 10
-    second = _step(scheduler, {"r": 12}).sends[0]  # tokens [10, 22): block 2 again .. 4
+    assert _step(scheduler, {"r": 1}).sends == ()  # token 10: block 2 still partial
+    request.num_computed_tokens = 11
+    second = _step(scheduler, {"r": 11}).sends[0]  # tokens [11, 22): blocks 2 .. 4
     assert (second.start_block, second.block_ids, second.last) == (2, (102, 103, 104), True)
     request.num_computed_tokens = 22
     assert _step(scheduler, {"r": 1}).sends == ()  # decoding: nothing more to send

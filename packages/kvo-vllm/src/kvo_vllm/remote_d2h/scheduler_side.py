@@ -11,9 +11,11 @@ The proxy may post a request to prefill before decode has said which blocks it h
 sending from block 0; decode reads only the blocks from its own prefix on.
 
 Prefill (``do_remote_decode`` requests): every step that computes prompt tokens sends the
-needed blocks those tokens touched, from the first one not sent yet to the block of the step's
-last token (a block that is not full yet is sent again with the next chunk). The step that
-completes block ``stop - 1`` is the request's last; its blocks stay allocated
+needed blocks it made full, from the first one not sent yet. A block the step leaves partial
+waits for the step that fills it: every block below ``stop`` fills during the prompt, so
+sending it early would only make decode read it twice (vLLM's chunks need not end on a block
+boundary: seen with a TP 2 prefill, where each 64-token chunk then straddled two blocks). The
+step that completes block ``stop - 1`` is the request's last; its blocks stay allocated
 (``request_finished`` delays the free) until the worker reports every read answered.
 
 Decode (``do_remote_prefill`` requests): the blocks are an asynchronous external load, so vLLM
@@ -166,7 +168,7 @@ class RemoteD2HScheduler:
         # computed now, or context (a prefix hit, earlier chunks) loaded for this step.
         end = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens,
                   wanted * size)
-        stop = min(-(-end // size), wanted)
+        stop = min(end // size, wanted)  # the blocks full after this step
         start = state.next_block
         state.next_block = max(state.next_block, end // size)
         last = end == wanted * size
