@@ -294,6 +294,9 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                         receiver.rejected_frames, engine.reads))
         elif command == "parking":
             events.put(("parking", receiver.parked_readies, receiver.expired_readies))
+        elif isinstance(command, tuple) and command[0] == "aborted":
+            events.put(("aborted", {rid: receiver.aborted(rid) for rid in command[1]},
+                        receiver.aborted_requests))
         elif command == "closed_connections":
             events.put(("closed_connections", receiver.closed_connections))
         elif command == "auth_rejections":
@@ -344,6 +347,13 @@ class DecodeProcess:
         event = self.next_event(30)
         assert event[0] == "parking", event
         return int(event[1]), int(event[2])
+
+    def aborted(self, request_ids: Sequence[str]) -> tuple[dict[str, str | None], int]:
+        """(request id -> why its prefill gave it up, or None; aborts received in all)."""
+        self.commands.put(("aborted", tuple(request_ids)))
+        event = self.next_event(30)
+        assert event[0] == "aborted", event
+        return dict(event[1]), int(event[2])
 
     def closed_connections(self) -> int:
         self.commands.put("closed_connections")

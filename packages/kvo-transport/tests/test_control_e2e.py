@@ -212,6 +212,52 @@ def test_readies_wait_for_a_late_destination_and_skip_what_decode_holds(engines,
     check_untouched_blocks_are_zero(dest, written)
 
 
+def test_a_request_the_prefill_gives_up_fails_on_decode_at_once(engines, buffers) -> None:
+    """Prefill publishes two of four layers of "given-up", then gives it up (say its store
+    load failed) and tells decode (SEND_ABORTED): decode fails that pull now instead of
+    waiting for the missing layers, and remembers "early" (aborted before its destination
+    appeared) for whoever registers it. The connection keeps serving: "kept" arrives whole."""
+    source = buffers(PREFILL.total_bytes)
+    fill_random(source, 5)
+    dest = buffers(DECODE.total_bytes)
+    src = {"given-up": (1, 2), "kept": (3, 4)}
+    decode = DecodeProcess(DecodeSpec(
+        shm_name=dest.name, geometry=DECODE,
+        destinations={"given-up": ((10, 11), None), "kept": ((12, 13), None),
+                      "early": ((14,), None)},
+        registered_after={"early": 60.0}))
+    gates, tracker = SlotGates(), RequestCompletionTracker()
+    publisher = publisher_for(engines[0], source, gates=gates, tracker=tracker)
+    try:
+        partial = run_prefill_rank(publisher, decode.endpoint,
+                                   [Chunk("given-up", 0, src["given-up"], src["given-up"])],
+                                   2, 3000, gates=gates, tracker=tracker, final=False)
+        assert partial.slot_errors == []
+        assert publisher.abort(decode.endpoint, ["given-up", "early"],
+                               "store load of layer 2 failed")
+        assert not publisher.abort("tcp://127.0.0.1:1", ["given-up"], "no session there")
+        _, failed, _, rejected, _ = decode.wait_terminal(["given-up"])
+        assert "gave the request up: store load of layer 2 failed" in failed["given-up"]
+        assert rejected == 0
+        reasons, count = decode.aborted(["given-up", "early", "kept"])
+        assert count == 2 and reasons["kept"] is None
+        assert reasons["early"] is not None and "store load of layer 2" in reasons["early"]
+        outcome = run_prefill_rank(publisher, decode.endpoint,
+                                   [Chunk("kept", 0, src["kept"], src["kept"])],
+                                   PREFILL.layers, 3100, gates=gates, tracker=tracker)
+        assert outcome.failed == {} and outcome.finished == {"kept"}
+        finished, failed, _, _, _ = decode.wait_terminal(["kept"])
+        assert "kept" in finished and set(failed) == {"given-up"}
+    finally:
+        publisher.close()
+        engines[0].unregister(source.ptr)
+        decode.stop()
+    for layer in range(PREFILL.layers):
+        for src_id, dst_id in zip(src["kept"], (12, 13), strict=True):
+            assert block(dest, DECODE, layer, "main", 0, dst_id) == \
+                block(source, PREFILL, layer, "main", 0, src_id)
+
+
 def test_four_prefill_ranks_feed_two_decode_ranks_with_split_indexer(engines, buffers) -> None:
     prefill_tp, decode_tp, ratio = 4, 2, 2
     sources = [buffers(PREFILL.total_bytes) for _ in range(prefill_tp)]

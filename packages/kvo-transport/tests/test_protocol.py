@@ -26,6 +26,7 @@ from kvo_transport.protocol import (
     ReadFailed,
     ReadReadyBatch,
     ReadyRequest,
+    SendAborted,
     TensorGroup,
     clip_reason,
     decode,
@@ -102,6 +103,8 @@ messages = st.one_of(
               bytes_read=counts),
     st.builds(ReadFailed, version=st.just(V), seq=counts, layer_index=st.integers(0, 1023),
               reason=names, needs_handshake=st.booleans()),
+    st.builds(SendAborted, version=st.just(V),
+              request_ids=st.lists(ids, min_size=1, max_size=6).map(tuple), reason=names),
 )
 
 
@@ -133,7 +136,7 @@ msgpack_values = st.recursive(
                                         "layers", "reason", "accepted", "member", "ratio"]),
                        msgpack_values, max_size=8),
        st.sampled_from(["MF_META", "READ_READY_BATCH", "READ_DONE", "READ_FAILED",
-                        "HANDSHAKE_ANSWER", "OTHER"]))
+                        "HANDSHAKE_ANSWER", "SEND_ABORTED", "OTHER"]))
 def test_random_maps_decode_only_into_their_own_type(fields: dict, tag: str) -> None:
     fields = {**fields, "type": tag, "version": V}
     try:
@@ -240,6 +243,10 @@ BAD_FRAMES = [
     (_raw(**_meta(layers=[{"index": 0, "name": "l", "main": {**_group(), "base_addrs": [0]}}])),
      ">= 1"),
     (_raw(type="READ_DONE", seq=0), "missing required field `layer_index`"),
+    (_raw(type="SEND_ABORTED", request_ids=[], reason="r"), "length >= 1"),
+    (_raw(type="SEND_ABORTED", request_ids=[""], reason="r"), "length >= 1"),
+    (_raw(type="SEND_ABORTED", request_ids=["r"] * (MAX_REQUESTS_PER_BATCH + 1), reason="r"),
+     f"length <= {MAX_REQUESTS_PER_BATCH}"),
     (_raw(type="NOPE"), "Invalid value 'NOPE'"),
     (msgspec.msgpack.encode([1, 2, 3]), "not a control-plane message"),
     (b"\xc1", "not a control-plane message"),

@@ -304,3 +304,64 @@ def test_an_abort_crossing_the_report_is_not_answered_twice(
     finally:
         prefill.close()
         puller.close()
+
+
+def test_a_request_the_prefill_gives_up_goes_to_the_load_failure_path_at_once(
+        prefill_engine: TransferEngine) -> None:
+    """The prefill publishes two of four layers, then gives the request up (its store load
+    failed) and says so (SEND_ABORTED): the worker reports it to vLLM's load-failure path
+    now, with its 30 s layer deadline far away. A second request is given up before decode
+    registered its blocks: it fails the moment they are registered, never advertised."""
+    prefill = Prefill(prefill_engine, deadline_s=10.0)
+    puller, _ = make_puller(0.0)
+    try:
+        register(puller, "t7")
+        prefill.fill(occupant=1)
+        request = prefill.publisher.ready_request("t7", 0, SRC_BLOCKS)
+        for i in range(2):
+            prefill.publisher.publish_layer(i, (i + 1,), {puller.endpoint: [request]})
+        assert prefill.publisher.abort(puller.endpoint, ["t7", "t8"], "store load failed")
+        started = time.monotonic()
+        _, invalid = collect_until(puller, "req-t7")
+        assert time.monotonic() - started < 10.0  # well before the worker's own deadline
+        assert set(DST_BLOCKS) <= invalid
+        stats = puller.snapshot()
+        assert stats["aborted_by_prefill"] == 2
+        assert stats["received"] == 0 and stats["failed"] == 1
+        register(puller, "t8")  # its blocks arrive after the abort did
+        _, invalid = collect_until(puller, "req-t8")
+        assert set(DST_BLOCKS) <= invalid
+        assert puller.snapshot()["failed"] == 2
+    finally:
+        prefill.close()
+        puller.close()
+
+
+def test_the_prefill_workers_give_up_reaches_the_decode_worker() -> None:
+    """kvo-vllm's own prefill worker: a request it gives up after publishing layer 0 (as
+    KvoMultiConnector does when a layerwise store load failed) is failed by the decode worker
+    at once, its blocks on vLLM's load-failure path."""
+    from kvo_vllm.remote_d2h.metadata import SendChunk
+    from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
+
+    sender = PrefillSender(config=RemoteD2HConfig(kv_port=free_port(), layer_deadline_s=30.0,
+                                                  handshake_timeout_s=30.0),
+                           tp_rank=0, tp_size=1, instance_id="prefill-give-up")
+    puller, _ = make_puller(0.0)
+    try:
+        source = {layer(i): torch.ones(BLOCKS, *BLOCK_SHAPE) for i in range(LAYERS)}
+        sender.register_kv_caches(source)
+        register(puller, "t9")
+        sender.start_step(RemoteD2HMetadata(sends=(SendChunk(
+            request_id="req-t9", transfer_id="t9", decode_endpoints=(puller.endpoint,),
+            start_block=0, block_ids=SRC_BLOCKS, last=True),)))
+        sender.publish_layer(layer(0))
+        sender.give_up_requests({"req-t9"}, "layerwise load of layer 1 failed")
+        started = time.monotonic()
+        _, invalid = collect_until(puller, "req-t9")
+        assert time.monotonic() - started < 10.0  # well before the 30 s layer deadline
+        assert set(DST_BLOCKS) <= invalid
+        assert puller.snapshot()["aborted_by_prefill"] == 1
+    finally:
+        sender.close()
+        puller.close()

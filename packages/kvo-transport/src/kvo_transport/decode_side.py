@@ -22,6 +22,12 @@ A READY may arrive before its request's destination is registered (the proxy pos
 and decode at once): it waits, in its connection's order, for up to ``destination_wait_s``
 (kvo_transport.ready_parking), then is read or refused. A request decode computes itself
 (``decline``) is answered READ_DONE with nothing read.
+
+A prefill that gives a request up (SEND_ABORTED: its KV of it is wrong, or will not all come)
+makes its pull fail at once: the request is failed in the ledger if decode has its destination,
+and remembered (``aborted``) for the caller to fail it when it registers the destination later;
+its READYs from then on are read as wanting nothing. An abort only ever fails a pull, so a
+forged one (without a control secret) can cost a recompute, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -68,6 +75,7 @@ from kvo_transport.protocol import (
     ReadDone,
     ReadFailed,
     ReadReadyBatch,
+    SendAborted,
     clip_reason,
     encode,
 )
@@ -101,6 +109,8 @@ DEFAULT_DESTINATION_WAIT_S = 10.0
 """How long a READY may wait for its request's destination to be registered."""
 PARKED_POLL_S = 0.001
 """While READYs wait for destinations, how often the receiver looks for them."""
+MAX_REMEMBERED_ABORTS = 65536
+"""Given-up request ids remembered at once (the oldest forgotten first)."""
 
 
 class ControlSocketError(KvoError, OSError):
@@ -169,6 +179,10 @@ class DecodeReceiver:
         self._lock = threading.Lock()
         self._sessions: dict[bytes, _Session] = {}
         self._requests = ReceiveLedger()
+        self._aborted: OrderedDict[str, str] = OrderedDict()
+        """Request id -> reason, for requests a prefill gave up (bounded; under _lock)."""
+        self.aborted_requests = 0
+        """Requests a prefill told this rank it gave up (SEND_ABORTED; for tests/metrics)."""
         self.rejected_frames = 0
         """Frames dropped because they did not decode (for tests and metrics)."""
 
@@ -268,6 +282,13 @@ class DecodeReceiver:
     def fail_request(self, request_id: str, reason: str) -> None:
         """Give up on a request's missing parts (e.g. the caller's own deadline expired)."""
         self._requests.fail_pending(request_id, reason)
+
+    def aborted(self, request_id: str) -> str | None:
+        """Why a prefill gave ``request_id`` up (SEND_ABORTED), or None. Whoever registers a
+        destination asks this after registering it: an abort that came first fails it then.
+        Any thread."""
+        with self._lock:
+            return self._aborted.get(request_id)
 
     def decline(self, request_id: str) -> None:
         """Decode computes ``request_id`` itself: its READYs (waiting or still to come) are
@@ -372,6 +393,8 @@ class DecodeReceiver:
             self._on_handshake(identity, message)
         elif isinstance(message, ReadReadyBatch) and ready:
             self._on_ready(identity, message)
+        elif isinstance(message, SendAborted) and ready:
+            self._on_abort(identity, message)
         else:
             self.rejected_frames += 1
             log.warning("decode %s: dropping %s from peer %r: not a prefill -> decode message "
@@ -457,6 +480,29 @@ class DecodeReceiver:
     def _on_ready(self, identity: bytes, batch: ReadReadyBatch) -> None:
         if not self._parking.offer(identity, batch, time.monotonic(), self._resolve):
             self._read_layer(identity, batch)
+
+    def _on_abort(self, identity: bytes, message: SendAborted) -> None:
+        with self._lock:
+            session = self._sessions.get(identity)
+        if session is None:
+            self.rejected_frames += 1
+            log.warning("decode %s: dropping SEND_ABORTED from peer %r: no accepted handshake "
+                        "on this connection", self.endpoint, _peer_name(identity))
+            return
+        reason = f"prefill {session.label} gave the request up: {message.reason}"
+        log.warning("decode %s: prefill %s gave up request(s) %s: %s", self.endpoint,
+                    session.label, _preview(message.request_ids), message.reason)
+        for request_id in message.request_ids:
+            with self._lock:  # remembered before the resolver is asked: see ``aborted``
+                self._aborted[request_id] = reason
+                self._aborted.move_to_end(request_id)
+                while len(self._aborted) > MAX_REMEMBERED_ABORTS:
+                    self._aborted.popitem(last=False)
+                self.aborted_requests += 1
+            self._parking.decline(request_id)  # its READYs, waiting or to come, read nothing
+            if self._resolve(request_id) is not None:
+                self._expect(session, request_id)
+                self._requests.layer_failed(request_id, session.part, reason)
 
     def _read_layer(self, identity: bytes, batch: ReadReadyBatch) -> None:
         started = time.perf_counter()

@@ -67,6 +67,8 @@ from kvo_transport.protocol import (
     ReadFailed,
     ReadReadyBatch,
     ReadyRequest,
+    SendAborted,
+    clip_reason,
     encode,
 )
 from kvo_transport.ready_ledger import Outcome, PendingReady, ReadyLedger
@@ -398,6 +400,31 @@ class PrefillPublisher:
         return PublishedLayer(layer_index=layer_index, slot_key=slot_key,
                               seqs={peer.endpoint: seq for peer, seq, *_ in frames},
                               parts=parts)
+
+    def abort(self, endpoint: str, request_ids: Iterable[str], reason: str) -> bool:
+        """Tell the decode rank at ``endpoint`` that these requests were given up, so it fails
+        their pulls at once (SEND_ABORTED) rather than waiting for layers that will not come.
+
+        Best effort and never blocking: without an accepted session to ``endpoint`` (nothing was
+        published there, or it went away) nothing is sent and False is returned; the decode's
+        own deadline then still ends the pull. Answers to READYs already sent are unaffected.
+        """
+        ids = tuple(dict.fromkeys(request_ids))
+        if not ids:
+            return False
+        with self._lock:
+            if self._closed:
+                return False
+            peer = self._peers.get(endpoint)
+            if peer is None or peer.answer is None or not peer.answer.accepted:
+                return False
+        for start in range(0, len(ids), MAX_REQUESTS_PER_BATCH):
+            chunk = ids[start:start + MAX_REQUESTS_PER_BATCH]
+            self._send(peer.connection, encode(SendAborted(
+                version=PROTOCOL_VERSION, request_ids=chunk, reason=clip_reason(reason))))
+        log.info("prefill %s: told %s that request(s) %s were given up: %s", self._label,
+                 endpoint, list(ids[:6]), reason)
+        return True
 
     def reads_in_flight(self) -> int:
         """READYs sent and not answered yet (nor failed)."""

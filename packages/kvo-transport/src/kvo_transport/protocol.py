@@ -233,8 +233,22 @@ class ReadFailed(msgspec.Struct, tag="READ_FAILED", frozen=True,
     """The decode has no session for this connection (it restarted): handshake again."""
 
 
-Message = MfMeta | HandshakeAnswer | ReadReadyBatch | ReadDone | ReadFailed
-MESSAGE_TYPES: Final = (MfMeta, HandshakeAnswer, ReadReadyBatch, ReadDone, ReadFailed)
+class SendAborted(msgspec.Struct, tag="SEND_ABORTED", frozen=True,
+                  forbid_unknown_fields=True):
+    """P -> D: the prefill gave these requests up (its KV of them is wrong or will not all
+    come: a failed store load, the request ended before its prompt was sent). The decode fails
+    their pulls now instead of waiting for layers until its deadline. Sent after the READYs
+    of the same connection, so it never overtakes one of them."""
+
+    version: Version
+    request_ids: Annotated[tuple[Identifier, ...],
+                           Meta(min_length=1, max_length=MAX_REQUESTS_PER_BATCH)]
+    reason: Reason
+
+
+Message = MfMeta | HandshakeAnswer | ReadReadyBatch | ReadDone | ReadFailed | SendAborted
+MESSAGE_TYPES: Final = (MfMeta, HandshakeAnswer, ReadReadyBatch, ReadDone, ReadFailed,
+                        SendAborted)
 
 
 class _Header(msgspec.Struct):

@@ -12,9 +12,10 @@ moves both or fails the layer. Per request:
    transfer id and decode advertises them to the proxy (``DecodeReady``);
 2. the prefill publishes READYs layer by layer; the receiver pulls and answers;
 3. once every layer arrived, the request is reported received; vLLM schedules it;
-4. a failed pull (refused READY, failed read, stale read caught by the fence, lost prefill
-   past the deadline) revokes the destination in the transport (no read may start into it;
-   revoking never waits for a read in flight), then reports the request received with its
+4. a failed pull (refused READY, failed read, stale read caught by the fence, the prefill
+   gave the request up (SEND_ABORTED), lost prefill past the deadline) revokes the
+   destination in the transport (no read may start into it; revoking never waits for a read
+   in flight), then reports the request received with its
    invalid blocks once the destination settled (no read in flight into it, a failed read's
    quarantine over), so vLLM's load-failure path recomputes them (or fails the request):
    never garbage tokens, and vLLM's step thread never waits on a stalled transfer.
@@ -231,6 +232,10 @@ class DecodePuller:
             self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
                                                     registered_at=time.monotonic())
             self.stats.registered += 1
+        aborted = None if self._receiver is None else self._receiver.aborted(target.transfer_id)
+        if aborted is not None:  # the prefill gave it up before its blocks were registered
+            self._complete(target.transfer_id, aborted)
+            return
         ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
                             decode_tp=self.tp_size, endpoint=self.endpoint,
                             skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids))
@@ -414,7 +419,9 @@ class DecodePuller:
                 if isinstance(self._raw, SameHostEngine) else 0,
                 "in_flight": len(self._recvs),
                 "returning": len(self._returning),
-                "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads}
+                "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads,
+                "aborted_by_prefill": (0 if self._receiver is None
+                                       else self._receiver.aborted_requests)}
 
     def close(self) -> None:
         if self._receiver is not None:

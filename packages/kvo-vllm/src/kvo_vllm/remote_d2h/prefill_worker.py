@@ -71,6 +71,9 @@ class _Send:
     counted: bool = False
     """Its transfer's failure is already in ``sends_failed`` (a later chunk of a failed
     transfer: one failure per transfer, not one per chunk)."""
+    endpoint: str | None = None
+    """The decode control endpoint its READYs go to, and that endpoint's decode TP size."""
+    decode_tp: int = 0
 
 
 @attrs.define
@@ -207,6 +210,8 @@ class PrefillSender:
                     send.failure = failure
                     send.give_up_at = time.monotonic()
                     send.counted = True
+            send.endpoint = self._endpoint(chunk)
+            send.decode_tp = len(chunk.decode_endpoints)
             return send
 
     def _connect(self, chunk: SendChunk, send: _Send) -> bool:
@@ -263,6 +268,7 @@ class PrefillSender:
                     send = self._sends.get(chunk.transfer_id)
                     if send is not None:
                         self._give_up(send, f"publish failed: {error}")
+                        self._tell_decode(send, f"prefill could not publish layer {index}")
                 if self._gates is not None:  # nothing reads the buffer for this part
                     self._gates.mark_done(key, part)
             parts.append(part)
@@ -277,6 +283,7 @@ class PrefillSender:
             logger.error("kvo remote_d2h: not sending request %s any further: %s",
                          send.request_id, reason)
             self._give_up(send, reason)
+            self._tell_decode(send, reason)
 
     def _publish(self, decode_tp: int, index: int, key: SlotKey, chunks: list[SendChunk],
                  last_layer: bool, slot_part: str | None) -> None:
@@ -326,9 +333,24 @@ class PrefillSender:
         with self._lock:
             sends = [s for s in self._sends.values() if s.request_id == request_id]
         for send in sends:
-            self._give_up(send, "request finished before its prompt was sent")
+            reason = "request finished before its prompt was sent"
+            self._give_up(send, reason)
+            self._tell_decode(send, reason)
             for publisher in list(self._publishers.values()):
                 publisher.forget(send.transfer_id)
+
+    def _tell_decode(self, send: _Send, reason: str) -> None:
+        """Let the decode fail the request's pull now (SEND_ABORTED) rather than wait for
+        layers until its deadline; it then recomputes the prompt or fails the request, as its
+        ``kv_load_failure_policy`` says. Sent whether or not a READY of it went out (in the
+        concurrent flow the decode may hold its destination already), over an accepted
+        session only (``PrefillPublisher.abort``)."""
+        if send.endpoint is None:
+            return
+        with self._publishers_lock:
+            publisher = self._publishers.get(send.decode_tp)
+        if publisher is not None:
+            publisher.abort(send.endpoint, (send.transfer_id,), reason)
 
     def _drain_tracker(self) -> None:
         """Take the publishers' verdicts; a failed request is not published any more."""
