@@ -291,7 +291,11 @@ def stopping_on_signals() -> Iterator[None]:
 def prefill_transfer_config(store_master: str, kv_port: int, stats_file: Path | None = None,
                             shared_buffers: int = 2, layer_deadline_s: float = 60.0,
                             handshake_timeout_s: float = 30.0) -> dict[str, Any]:
-    """KvoMultiConnector: 8 layers in 1 + shared_buffers physical buffers, remote D2H on top."""
+    """KvoMultiConnector: 8 layers in 1 + shared_buffers physical buffers, remote D2H on top.
+
+    A store load that fails (the Mooncake master died) is recomputed on prefill; the request's
+    hand-off is given up and the decode told so (SEND_ABORTED), which recomputes the prompt
+    itself: the client gets its answer, not an error."""
     extra: dict[str, Any] = {
         "layerwise": {"store_master_address": store_master, "shared_buffers": shared_buffers,
                       "independent_layers": [0], "prefetch_depth": 1,
@@ -304,7 +308,7 @@ def prefill_transfer_config(store_master: str, kv_port: int, stats_file: Path | 
         extra["stats_file"] = str(stats_file)
     return {"kv_connector": "KvoMultiConnector",
             "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_producer",
-            "kv_connector_extra_config": extra}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def d2h_prefill_transfer_config(kv_port: int, stats_file: Path | None = None,
