@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -256,6 +257,33 @@ def test_a_request_the_prefill_gives_up_fails_on_decode_at_once(engines, buffers
         for src_id, dst_id in zip(src["kept"], (12, 13), strict=True):
             assert block(dest, DECODE, layer, "main", 0, dst_id) == \
                 block(source, PREFILL, layer, "main", 0, src_id)
+
+
+def test_an_abort_of_many_long_ids_is_split_under_the_decodes_frame_limit(engines,
+                                                                          buffers) -> None:
+    """5000 ids of 500 characters (2.5 MB) to a decode whose frame limit is 1 MiB: the abort
+    goes out in several frames, every id arrives, and the connection stays up (ZMQ would
+    have cut it over a frame past the limit)."""
+    source = buffers(PREFILL.total_bytes)
+    dest = buffers(DECODE.total_bytes)
+    decode = DecodeProcess(DecodeSpec(shm_name=dest.name, geometry=DECODE, destinations={},
+                                      max_frame_bytes=1 << 20))
+    gates, tracker = SlotGates(), RequestCompletionTracker()
+    publisher = publisher_for(engines[0], source, gates=gates, tracker=tracker)
+    ids = [f"{i:05d}-" + "x" * 494 for i in range(5000)]
+    try:
+        publisher.connect(decode.endpoint)
+        assert publisher.abort(decode.endpoint, ids, "bulk give-up")
+        deadline = time.monotonic() + 20
+        while decode.aborted(ids[-1:])[1] < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reasons, count = decode.aborted([ids[0], ids[-1]])
+        assert count == len(ids) and all(r is not None for r in reasons.values())
+        assert decode.closed_connections() == 0
+    finally:
+        publisher.close()
+        engines[0].unregister(source.ptr)
+        decode.stop()
 
 
 def test_four_prefill_ranks_feed_two_decode_ranks_with_split_indexer(engines, buffers) -> None:

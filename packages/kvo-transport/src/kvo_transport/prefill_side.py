@@ -418,10 +418,15 @@ class PrefillPublisher:
             peer = self._peers.get(endpoint)
             if peer is None or peer.answer is None or not peer.answer.accepted:
                 return False
-        for start in range(0, len(ids), MAX_REQUESTS_PER_BATCH):
-            chunk = ids[start:start + MAX_REQUESTS_PER_BATCH]
+        reason = clip_reason(reason)
+        # Frames stay under both sides' limit (ZMQ cuts the connection over the decode's):
+        # an id takes at most 4 bytes per character plus its msgpack header.
+        room = (self._frame_limit(peer) - OVERHEAD - len(reason.encode()) - 64)
+        per_frame = max(1, min(MAX_REQUESTS_PER_BATCH, room // (4 * MAX_ID_CHARS + 3)))
+        for start in range(0, len(ids), per_frame):
             self._send(peer.connection, encode(SendAborted(
-                version=PROTOCOL_VERSION, request_ids=chunk, reason=clip_reason(reason))))
+                version=PROTOCOL_VERSION, request_ids=ids[start:start + per_frame],
+                reason=reason)))
         log.info("prefill %s: told %s that request(s) %s were given up: %s", self._label,
                  endpoint, list(ids[:6]), reason)
         return True
