@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from kvo_core.errors import SlotFailedError
 from kvo_core.gates import RequestCompletionTracker, SlotGates
+from kvo_transport.decode_side import DEFAULT_DESTINATION_WAIT_S
 from kvo_transport.engine import TransferEngine, create_transfer_engine
 from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError, ProtocolError
 from kvo_transport.prefill_side import HandshakeRejectedError, PrefillPublisher
@@ -381,22 +382,23 @@ def decode_for_garbage(engine) -> Iterator[tuple[DecodeProcess, PrefillPublisher
         raw = context.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(decode.endpoint)
+        fresh = context.socket(zmq.DEALER)
+        fresh.setsockopt(zmq.LINGER, 0)
         try:
             yield decode, publisher, gates, raw
             # Oversized frames and a READY without handshake, then a valid peer once more.
             closed_before = decode.closed_connections()
             raw.send(b"\x00" * (65 << 10))  # over the limit: zmq drops that connection
-            fresh = context.socket(zmq.DEALER)
-            fresh.setsockopt(zmq.LINGER, 0)
             fresh.connect(decode.endpoint)
             fresh.send(encode(ReadReadyBatch(version=PROTOCOL_VERSION, seq=5, layer_index=0,
                                            layer_name="x", member=0, ratio=1, requests=(
                                                ReadyRequest("q", 0, 1, (0,)),),
                                            fences=(Fence(word=0, epoch=0),))))
-            reply = fresh.poll(int(WAIT * 1000))
-            assert reply, "a READY without handshake got no answer"
+            # Refused at once, not parked until a destination for "q" could have appeared
+            # (DEFAULT_DESTINATION_WAIT_S): the prefill must handshake before anything is read.
+            reply = fresh.poll(int(DEFAULT_DESTINATION_WAIT_S * 1000 / 2))
+            assert reply, "a READY without handshake was not refused at once"
             answer = FrameDecoder().decode(fresh.recv())
-            fresh.close()
             assert isinstance(answer, ReadFailed) and answer.needs_handshake and answer.seq == 5
             publisher.publish_layer(1, (4,), {decode.endpoint: []})
             gates.wait((4,), WAIT)
@@ -405,6 +407,7 @@ def decode_for_garbage(engine) -> Iterator[tuple[DecodeProcess, PrefillPublisher
             assert decode.closed_connections() > closed_before  # seen and logged, not silent
         finally:
             raw.close()
+            fresh.close()
             context.term()
             publisher.close()
             decode.stop()

@@ -478,7 +478,12 @@ class DecodeReceiver:
     # -- READY -> pull -> DONE / FAILED ----------------------------------------------------------
 
     def _on_ready(self, identity: bytes, batch: ReadReadyBatch) -> None:
-        if not self._parking.offer(identity, batch, time.monotonic(), self._resolve):
+        with self._lock:
+            known = identity in self._sessions
+        # A READY outside a session is refused at once (the prefill handshakes again): parked,
+        # it would wait for a destination only to be refused, up to destination_wait_s later.
+        if not known or not self._parking.offer(identity, batch, time.monotonic(),
+                                                self._resolve):
             self._read_layer(identity, batch)
 
     def _on_abort(self, identity: bytes, message: SendAborted) -> None:
