@@ -159,3 +159,21 @@ def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(staged, c
     assert "staged put has run for more than 0.1 s" in caplog.text
     store.gate.set()
     PENDING_PUTS.wait(store, 5.0)
+
+
+def test_the_gather_copies_blocks_in_the_order_asked_and_refuses_what_does_not_fit() -> None:
+    from kvo_vllm.layerwise.staging import SaveStaging, block_rows, block_runs
+
+    cache = torch.arange(10 * 4 * 8, dtype=torch.float32).view(10, 4, 8)  # 10 blocks
+    rows = block_rows(cache, 4 * 8 * 4)
+    staging = SaveStaging(8 * 128, min_bytes=128)
+    ids = [3, 4, 5, 9, 0, 1, 7]  # runs, a step back, a lone block
+    assert block_runs(ids) == [(3, 3), (9, 1), (0, 2), (7, 1)]
+    address = staging.gather(rows, ids, 128)
+    assert address == staging.pointer + 128
+    copied = staging.area[128:128 + 7 * 128].view(torch.float32).view(7, 4, 8)
+    assert torch.equal(copied, cache[ids])
+    with pytest.raises(IndexError, match="outside the cache's 10 blocks"):
+        staging.gather(rows, [9, 10], 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        staging.gather(rows, [0, 1], 7 * 128)

@@ -13,6 +13,7 @@ store). A layer that does not fit is saved directly from its buffer, as without 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -70,11 +71,38 @@ class SaveStaging:
         self._used = 0
 
     def gather(self, rows: torch.Tensor, block_ids: Sequence[int], offset: int) -> int:
-        """Copy ``rows[block_ids]`` to ``offset``; the address of the first copied block."""
+        """Copy ``rows[block_ids]`` to ``offset``; the address of the first copied block.
+
+        One ``memmove`` per run of consecutive blocks (it releases the GIL), not a torch op:
+        this runs on the saver thread while the forward runs, and a torch copy from a thread
+        of its own starts an OpenMP team that spins against the forward's. Measured on 2 CPUs,
+        tiny Llama, cold 256-token prefill: index_select here cost +14 ms TTFT (+42 %), the
+        copy itself (2 MiB) ~0.2 ms.
+        """
         count, width = len(block_ids), int(rows.shape[1])
-        out = self.area[offset:offset + count * width].view(count, width)
-        torch.index_select(rows, 0, torch.tensor(block_ids, dtype=torch.long), out=out)
+        if not 0 <= offset <= self.capacity - count * width:
+            raise ValueError(f"staging gather of {count} x {width} bytes at offset {offset} "
+                             f"does not fit the {self.capacity}-byte area")
+        limit = int(rows.shape[0])
+        source, target = rows.data_ptr(), self.pointer + offset
+        for first, length in block_runs(block_ids):
+            if first < 0 or first + length > limit:
+                raise IndexError(f"staging gather: blocks {first}..{first + length - 1} are "
+                                 f"outside the cache's {limit} blocks")
+            ctypes.memmove(target, source + first * width, length * width)
+            target += length * width
         return self.pointer + offset
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``block_ids`` as (first id, count) runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
 
 
 class PendingPuts:

@@ -34,6 +34,7 @@ would delete the fresh value and fail the next request that loads it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -538,8 +539,11 @@ class LayerwiseWorker:
         for target, source in copies:
             if found[source]:
                 part = buffer.parts[target // count]
-                part.tensor[refs[target % count].block_id].copy_(
-                    part.tensor[refs[source % count].block_id])
+                # memmove, not a torch copy: on this loader thread a torch op would start an
+                # OpenMP team that spins against the forward's (staging.SaveStaging.gather).
+                ctypes.memmove(part.address(refs[target % count].block_id),
+                               part.address(refs[source % count].block_id),
+                               part.planned.block_bytes)
                 found[target] = True
             elif source in absent:
                 absent.add(target)
