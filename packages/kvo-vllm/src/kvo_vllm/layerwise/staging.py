@@ -2,8 +2,9 @@
 
 A layer's save used to put straight from its device buffer, so the buffer's slot stayed closed
 until the store had the bytes (Mooncake's put copies at ~1 GB/s, one RPC pair per layer, all
-while the forward runs on the same CPUs). With staging, the saver copies the layer's blocks into
-a registered host area with one gather (memcpy speed) and releases the slot at once; the step's
+while the forward runs on the same CPUs). With staging, the forward's thread copies the layer's
+new blocks into a registered host area right after its attention (memmove speed, no other thread
+involved) and releases the slot at once; the step's
 staged blocks are then put in one batch after the forward (``LayerwiseWorker.finish_step``),
 and the next step waits for that batch before it loads anything.
 

@@ -14,9 +14,10 @@ before its predecessor in the forward returns. Hence:
 - readying a layer = wait on its slot gate (the previous occupant's save), then load the
   blocks the scheduler listed into the slot;
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
-  With a staging area (``staging``) a save is a gather into registered host memory that
-  releases the slot at once; ``finish_step`` hands the step's staged blocks to the saver as one
-  batched put and returns, and the next ``start_step`` waits for that put before it loads.
+  With a staging area (``staging``) a save is a copy into registered host memory, on the
+  forward's thread, that releases the slot at once; ``finish_step`` hands the step's staged
+  blocks to the saver as one batched put and returns, and the next ``start_step`` waits for
+  that put before it loads.
 
 A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
 times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
@@ -279,7 +280,11 @@ class LayerwiseWorker:
         # their parts on the gates in this step; the round takes them with the save.
         self.gates.close(buffer.slot, {part}, take_announced=True)
         saves = self._trusted_saves(buffer)
-        self._save_futures.append(self._saver.submit(self._save_layer, buffer, part, saves))
+        offset = self._staging_offset(buffer, saves)
+        if offset is not None:
+            self._stage_layer(buffer, part, saves, offset)
+        else:
+            self._save_futures.append(self._saver.submit(self._put_layer, buffer, part, saves))
         position = self._position[layer_name] + 1
         if position < len(self._order):
             self._prefetch_from(position)
@@ -592,21 +597,28 @@ class LayerwiseWorker:
                                    error)
         return None
 
-    def _save_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
-        if self.staging is not None and refs:
-            width = sum(cache.planned.block_bytes for cache in buffer.parts)
-            offset = self.staging.reserve(len(refs) * width)
-            if offset is not None:
-                self._stage_layer(buffer, part, refs, offset)
-                return
+    def _staging_offset(self, buffer: _Buffer, refs: list[BlockRef]) -> int | None:
+        """Where the layer's save goes in the staging area; None: put it from the buffer."""
+        if self.staging is None:
+            return None
+        width = sum(cache.planned.block_bytes for cache in buffer.parts)
+        offset = self.staging.reserve(len(refs) * width)
+        if offset is None:
             with self._stats_lock:
                 self.stats.staging_fallbacks += 1
-        self._put_layer(buffer, part, refs)
+        return offset
 
     def _stage_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef],
                      offset: int) -> None:
         """Copy the layer's blocks to the staging area and release the slot; the put follows
-        after the forward (``_put_staged``)."""
+        after the forward (``_put_staged``).
+
+        Runs on the forward's thread: the copy is a memmove of the step's new blocks (a few
+        MiB, GIL released), and handing it to another thread cost more than it saved. That
+        thread's Python (keys, gates, bookkeeping) took the GIL each time a torch op of the
+        forward let it go, and the forward then waited to get it back: a cold 256-token
+        prefill of the tiny Llama spent ~3 ms more in its RMSNorms alone (py-spy, 2 CPUs).
+        """
         assert self.staging is not None
         started = time.perf_counter()
         keys = buffer.keys(self.keys, refs)
