@@ -6,10 +6,13 @@ plain; kvo, with the connector saving every layer to a Mooncake store while the 
 3 device buffers; and the peer a user would pick instead, vLLM's ``MooncakeStoreConnector`` as
 shipped (it runs stock on vLLM-CPU: ``MOONCAKE_CONFIG_PATH`` names a JSON file with P2PHANDSHAKE
 metadata, the master's address and tcp), saving to the same Mooncake master. The engines take
-turns on the same fresh prompts (no prefix hits); each round rotates which goes first, so a busy
-machine slows all alike. Overheads are medians of the per-round ratios, never ratios of
-medians. The prefill device KV footprint is read from the live caches. Targets: at most 10% TTFT
-overhead over plain at 4K tokens; kvo/peer <= 1 at every length (issue 15 §4).
+turns on the same fresh prompts (no prefix hits), in a new random order each round, each after a
+pause (``--settle-ms``) in which the previous engine's background work (its store puts) ends: a
+TTFT is that of a request on a machine with nothing else running, and no engine always inherits
+the same predecessor's leftovers (with a fixed rotation the peer always ran right after kvo's
+put, and plain right after the peer's). Overheads are medians of the per-round ratios, never
+ratios of medians. The prefill device KV footprint is read from the live caches. Targets: at
+most 10% TTFT overhead over plain at 4K tokens; kvo/peer <= 1 at every length (issue 15 §4).
 
 Starts Mooncake, so it runs inside a loopback-only network namespace
 (``nox -s bench -- e2e_layerwise`` does that); by hand::
@@ -48,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="short run: 256 and 1K tokens, two repetitions")
     parser.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in tokens")
     parser.add_argument("--reps", type=int, help="timed prompt pairs per length")
+    parser.add_argument("--settle-ms", type=float, default=200.0,
+                        help="pause before each timed request, so the previous engine's "
+                             "background work has ended (default 200)")
     parser.add_argument("--model-dir", type=Path, help="where to build/reuse the tiny model")
     parser.add_argument("--no-peer", action="store_true",
                         help="leave out vLLM's MooncakeStoreConnector engine")
@@ -58,11 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.lengths is None:
         args.lengths = [256, 1024] if args.quick else [256, 512, 1024, 4096]
     if args.reps is None:
-        args.reps = 2 if args.quick else 5
+        args.reps = 2 if args.quick else 12
     if any(n < 2 or n > 8000 for n in args.lengths):
         parser.error(f"--lengths must be between 2 and 8000 tokens, got {args.lengths}")
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
+    if not 0 <= args.settle_ms <= 10_000:
+        parser.error(f"--settle-ms must be between 0 and 10000, got {args.settle_ms}")
     return args
 
 
@@ -158,11 +166,12 @@ class Engine:
 
 # -- measurement ---------------------------------------------------------------------------
 
-def rounds_ttft(engines: list[Engine], lengths: list[int], reps: int
+def rounds_ttft(engines: list[Engine], lengths: list[int], reps: int, settle_s: float
                 ) -> list[dict[str, Any]]:
-    """Every engine answers the same fresh prompt per round; round r starts with engine r mod n
-    (a rotation), so each engine goes first, second, ... equally often."""
+    """Every engine answers the same fresh prompt per round, in a random order (seeded), each
+    after ``settle_s`` of pause (module docstring)."""
     rng = random.Random(0)
+    order_rng = random.Random(1)
 
     def fresh(length: int) -> list[int]:
         return [rng.randrange(256) for _ in range(length)]
@@ -175,8 +184,10 @@ def rounds_ttft(engines: list[Engine], lengths: list[int], reps: int
         samples: dict[str, list[float]] = {engine.name: [] for engine in engines}
         for rep in range(reps):
             prompt = fresh(length)
-            shift = rep % len(engines)
-            for engine in engines[shift:] + engines[:shift]:
+            order = list(engines)
+            order_rng.shuffle(order)
+            for engine in order:
+                time.sleep(settle_s)
                 samples[engine.name].append(engine.ask("ttft", prompt))
             print(f"  {length} tokens, round {rep + 1}/{reps}: " + ", ".join(
                 f"{name} {times[-1] * 1000:.1f} ms" for name, times in samples.items()),
@@ -261,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for engine in engines:
                 engine.wait_ready()
-            rows = rounds_ttft(engines, args.lengths, args.reps)
+            rows = rounds_ttft(engines, args.lengths, args.reps, args.settle_ms / 1000)
             plain_report, offload_report = engines[0].ask("report"), engines[1].ask("report")
         finally:
             for engine in engines:
@@ -270,7 +281,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     waited = offload_report["ready_wait_seconds"] + offload_report["step_end_wait_seconds"]
     return {
         "benchmark": "e2e_layerwise", "model": "tiny random Llama, 8 layers, fp32",
-        "quick": args.quick, "reps": args.reps, "cpus": os.cpu_count(),
+        "quick": args.quick, "reps": args.reps, "settle_ms": args.settle_ms,
+        "cpus": os.cpu_count(),
         "peer": None if args.no_peer else "vLLM MooncakeStoreConnector (kv_both, tcp)",
         "layers": offload_report["layers"],
         "physical_buffers": offload_report["physical_buffers"],

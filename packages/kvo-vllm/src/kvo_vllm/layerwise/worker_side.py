@@ -8,9 +8,10 @@ buffer must be ready (its slot released by the previous occupant's save, its con
 before its predecessor in the forward returns. Hence:
 
 - ``start_step`` (from ``start_load_kv``, run before the forward) readies the first layer;
-- ``after_attention(L)`` (from ``save_kv_layer``) submits L's save, closes L's slot gate until
-  the save is done, then readies layer L+1 (already prefetched in the background when
-  ``prefetch_depth`` > 0) and starts prefetching the next ones;
+- ``after_attention(L)`` (from ``save_kv_layer``) closes L's slot gate until L's save is done,
+  saves L (a copy to the staging area, or a put submitted to the saver), then readies layer
+  L+1 (already prefetched in the background when ``prefetch_depth`` > 0) and starts
+  prefetching the next ones;
 - readying a layer = wait on its slot gate (the previous occupant's save), then load the
   blocks the scheduler listed into the slot;
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
