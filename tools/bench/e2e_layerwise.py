@@ -360,8 +360,8 @@ def print_table(report: dict[str, Any]) -> None:
     steps = max(report["steps"], 1)
     print(f"save staging: {report['staged_bytes'] / 2**20:.1f} MiB staged, "
           f"{report['staging_fallbacks']} layers saved directly (area full); per prefill "
-          f"{1000 * report['stage_seconds'] / steps:.2f} ms gathering (saver thread, slot "
-          f"closed), {1000 * report['flush_seconds'] / steps:.2f} ms batched put after the "
+          f"{1000 * report['stage_seconds'] / steps:.2f} ms copying to staging (forward "
+          f"thread), {1000 * report['flush_seconds'] / steps:.2f} ms batched put after the "
           f"forward, {1000 * report['flush_wait_seconds'] / steps:.2f} ms the next step waited "
           f"for it")
     if any("kvo_over_direct" in row for row in report["results"]):

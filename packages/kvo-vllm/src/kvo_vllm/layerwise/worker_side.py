@@ -91,7 +91,7 @@ class LayerwiseStats:
     staging_fallbacks: int = 0
     """Layer saves that did not fit the staging area and were put from the device buffer."""
     stage_seconds: float = 0.0
-    """Saver time spent gathering layers into the staging area (slot closed meanwhile)."""
+    """Time spent copying layers into the staging area (on the forward's thread)."""
     flush_seconds: float = 0.0
     """Time of the batched puts of staged blocks (after the forward)."""
     staged_puts: int = 0
