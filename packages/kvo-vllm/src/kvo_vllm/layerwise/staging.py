@@ -4,9 +4,9 @@ A layer's save used to put straight from its device buffer, so the buffer's slot
 until the store had the bytes (Mooncake's put copies at ~1 GB/s, one RPC pair per layer, all
 while the forward runs on the same CPUs). With staging, the forward's thread copies the layer's
 new blocks into a registered host area right after its attention (memmove speed, no other thread
-involved) and releases the slot at once; the step's
-staged blocks are then put in one batch after the forward (``LayerwiseWorker.finish_step``),
-and the next step waits for that batch before it loads anything.
+involved) and releases the slot at once; the step's staged blocks are then put in one batch
+after the forward (``LayerwiseWorker.finish_step``), and the next step waits for that batch
+before it loads anything.
 
 The area is a bump allocator reset between steps (only once the previous batch is in the
 store). A layer that does not fit is saved directly from its buffer, as without staging.
@@ -75,10 +75,10 @@ class SaveStaging:
         """Copy ``rows[block_ids]`` to ``offset``; the address of the first copied block.
 
         One ``memmove`` per run of consecutive blocks (it releases the GIL), not a torch op:
-        this runs on the saver thread while the forward runs, and a torch copy from a thread
-        of its own starts an OpenMP team that spins against the forward's. Measured on 2 CPUs,
+        when this ran on the saver thread during the forward, a torch copy there started an
+        OpenMP team of that thread's own that spun against the forward's. Measured on 2 CPUs,
         tiny Llama, cold 256-token prefill: index_select here cost +14 ms TTFT (+42 %), the
-        copy itself (2 MiB) ~0.2 ms.
+        copy itself (2 MiB) ~0.2 ms. It now runs on the forward's thread (``worker_side``).
         """
         count, width = len(block_ids), int(rows.shape[1])
         if not 0 <= offset <= self.capacity - count * width:
