@@ -443,3 +443,16 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
         saved = time_of[("put", KEYS.key("b2", layer - 2))]
         loaded = time_of[("get", KEYS.key("b1", layer))]
         assert saved < loaded, f"layer {layer} overwrote layer {layer - 2} before its save"
+
+
+def test_a_block_outside_the_cache_has_no_address(rig) -> None:
+    """The loader's memmove of a key read once for two blocks writes at these addresses: a
+    block id past the cache is refused, not written into another layer's blocks."""
+    worker, _, _ = rig
+    part = worker._buffers[NAMES[0]].parts[0]
+    last = NUM_BLOCKS - 1
+    assert part.address(last) == part.pointer + last * part.planned.block_bytes
+    with pytest.raises(IndexError, match=f"outside the {NUM_BLOCKS} blocks"):
+        part.address(NUM_BLOCKS)
+    with pytest.raises(IndexError):
+        part.address(-1)

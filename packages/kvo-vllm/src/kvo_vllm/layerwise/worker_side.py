@@ -131,8 +131,14 @@ class _Part:
     pointer: int
     rows: torch.Tensor
     """The cache as uint8 [blocks, block_bytes] (what the staging gather reads)."""
+    num_blocks: int
 
     def address(self, block_id: int) -> int:
+        """Where block ``block_id`` starts; refused outside the cache (a raw memmove to it
+        would write into another layer's blocks unnoticed)."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} is outside the {self.num_blocks} blocks of "
+                             f"cache {self.planned.cache_name!r}")
         return self.pointer + block_id * self.planned.block_bytes
 
 
@@ -212,7 +218,8 @@ class LayerwiseWorker:
         for layer in self.layout.layers:
             parts = tuple(_Part(planned=part, tensor=kv_caches[part.cache_name],
                                 pointer=kv_caches[part.cache_name].data_ptr(),
-                                rows=block_rows(kv_caches[part.cache_name], part.block_bytes))
+                                rows=block_rows(kv_caches[part.cache_name], part.block_bytes),
+                                num_blocks=self.layout.num_blocks)
                           for part in layer.parts)
             self._buffers[layer.name] = _Buffer(layer=layer, parts=parts,
                                                 slot=(parts[0].pointer,))
