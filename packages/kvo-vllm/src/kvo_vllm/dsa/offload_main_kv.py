@@ -100,10 +100,8 @@ class OffloadWorker:
         """:meth:`OffloadManager.step_inputs` of vLLM's step metadata, computed at the step's
         first layer and reused by the others (they share vLLM's metadata object)."""
         if self._step_metadata() is not metadata:
-            requests = int(metadata.num_reqs)
-            self._step = manager.step_inputs(metadata.query_start_loc[:requests + 1],
-                                             metadata.seq_lens[:requests],
-                                             metadata.block_table[:requests])
+            self._step = manager.step_inputs(metadata.query_start_loc, metadata.seq_lens,
+                                             metadata.block_table, int(metadata.num_reqs))
             self._step_metadata = weakref.ref(metadata)
         assert self._step is not None
         return self._step
