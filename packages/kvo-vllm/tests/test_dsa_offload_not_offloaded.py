@@ -54,6 +54,7 @@ class _Harness:
         self.copied_rows = 0
         self.host_copy_calls = 0       # copy_residency_misses calls
         self.identity_step_calls = 0   # identity_decode_step calls that served the step
+        self.identity_lane_calls = 0   # identity_decode_lane calls that served the step
 
     def step(self, batch: list[tuple[_Req, int]], topk: list[list[int]] | None = None
              ) -> list[OffloadLayerStats]:
@@ -132,6 +133,14 @@ def harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         return answer
 
     monkeypatch.setattr(offload_manager, "identity_decode_step_host", counted_identity)
+    identity_lane = offload_manager.identity_decode_lane_host
+
+    def counted_lane(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
+        answer = identity_lane(*args, **kwargs)
+        h.identity_lane_calls += answer is not None
+        return answer
+
+    monkeypatch.setattr(offload_manager, "identity_decode_lane_host", counted_lane)
     try:
         yield h
     finally:
@@ -150,9 +159,11 @@ def test_short_request_reads_identity_slots_without_copies(harness: _Harness) ->
             assert s.hits == s.selected > 0
         steady += 1
     assert harness.copied_rows == 0                 # no miss copy while NOT_OFFLOADED
-    # native: each steady step went through one identity_decode_step call a layer
+    # native: each steady step went through one identity_decode_lane call a layer (the
+    # serials and the identity step in one), none through the two-call path
     native = harness.m.copy_implementation == "native"
-    assert harness.identity_step_calls == (steady * LAYERS if native else 0)
+    assert harness.identity_lane_calls == (steady * LAYERS if native else 0)
+    assert harness.identity_step_calls == 0
     assert harness.host_copy_calls == 0
     hot = harness.m.hot[1][:CAP]                    # batch row 0: position p at slot p
     for p in range(CAP):

@@ -67,6 +67,32 @@ def identity_decode_step_host(pool: torch.Tensor, hot: torch.Tensor, block_table
     return int(selected), int(context)
 
 
+def identity_decode_lane_host(pool: torch.Tensor, hot: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              block_table: torch.Tensor, state: RowSerialsState,
+                              held: torch.Tensor, filled: torch.Tensor, topk: torch.Tensor,
+                              hot_slots: torch.Tensor, valid: torch.Tensor, *, rows: int,
+                              block_size: int, capacity: int) -> tuple[int, int] | None:
+    """:func:`row_serials_host` then :func:`identity_decode_step_host` in one call, for the
+    steady state of short requests only (every row decodes one token, keeps its serial and
+    holds its request filled to its new position): the same state changes and answer. None,
+    with nothing changed, in every other case, including input the two ops would refuse:
+    the caller then takes the two-call path, which names the problem. Rules:
+    ``row_identity.h``. A malformed argument (dtype, shape) raises
+    :class:`KernelArgumentError` and changes nothing."""
+    module = load_native_ops()
+    try:
+        selected, context = module.identity_decode_lane(
+            pool, hot, query_start_loc, seq_lens, block_table, state.versions,
+            state.recorded_blocks, state.recorded_versions, state.covered, state.serials,
+            held, filled, topk, hot_slots, valid, rows, block_size, capacity)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise KernelArgumentError(f"identity_decode_lane (host op): {error}") from None
+    if selected < 0:
+        return None
+    return int(selected), int(context)
+
+
 def pool_write_rows_host(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                          versions: torch.Tensor, write_counter: torch.Tensor, *,
                          block_size: int) -> int:

@@ -520,6 +520,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_write_rows", &kvo_identity::pool_write_rows_cpu,
         "the offload path's pool write and block versions (csrc/row_identity.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("identity_decode_lane", &kvo_identity::identity_decode_lane_cpu,
+        "row_serials + identity_decode_step in the steady state of short requests, or "
+        "nothing (csrc/row_identity.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("identity_decode_step", &kvo_identity::identity_decode_step_cpu,
         "a decode step of NOT_OFFLOADED rows: new rows to their identity slots, hot slots "
         "of the top-k (csrc/row_identity.cpp)",

@@ -60,3 +60,25 @@ int64_t pool_write_rows_cpu(at::Tensor pool, const at::Tensor& rows, const at::T
                             at::Tensor versions, at::Tensor write_counter, int64_t block_size);
 
 }  // namespace kvo_identity
+
+namespace kvo_identity {
+
+// row_serials followed by identity_decode_step, for the steady state of short requests only,
+// in one call (kvo-vllm's offload path at a short context: one call per layer instead of two,
+// and none of the Python between them). Batch rows r < rows each decode one token
+// (query_start_loc[r] == query_start_loc[0] + r for r <= rows), every row keeps its serial
+// (row_serials' rule, on the given state), holds that request in its hot row filled to its
+// new position, and every index is inside what it addresses: then it records what
+// row_serials records (the serials stay as they are), does what identity_decode_step does
+// and returns the same (selected entries, sum of seq_lens). Otherwise returns (-1, 0) and
+// changes nothing: the caller takes the two-call path, which also names anything refused.
+// topk has exactly rows rows. Arguments as the two ops take them; a malformed argument raises.
+std::tuple<int64_t, int64_t> identity_decode_lane_cpu(
+    const at::Tensor& pool, at::Tensor hot, const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens, const at::Tensor& block_table, const at::Tensor& versions,
+    at::Tensor recorded_blocks, at::Tensor recorded_versions, at::Tensor covered,
+    const at::Tensor& serials, at::Tensor held, at::Tensor filled, const at::Tensor& topk,
+    at::Tensor hot_slots, at::Tensor valid, int64_t rows, int64_t block_size,
+    int64_t capacity);
+
+}  // namespace kvo_identity

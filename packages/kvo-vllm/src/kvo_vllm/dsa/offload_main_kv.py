@@ -190,6 +190,11 @@ class OffloadMainKV:
 
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
+        requests = int(metadata.num_reqs)
+        lane = manager.identity_lane(self.index, topk, metadata.query_start_loc,
+                                     metadata.seq_lens, metadata.block_table, requests)
+        if lane is not None:
+            return lane
         step = self.worker.step_inputs(manager, metadata)
         tokens = step.tokens
         selected = manager.gather_selected(self.index, topk[:tokens], step)

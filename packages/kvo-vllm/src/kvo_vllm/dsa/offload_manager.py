@@ -30,7 +30,9 @@ Per layer call:
    slot ``p``, filled from the pool once per position (``offload_hot_rows``), and its top-k
    is read as ``hot[row * capacity + p]``: no residency update, no miss copy (a step whose
    rows all stay NOT_OFFLOADED copies each row's new position and answers with slots: one
-   C++ call, ``identity_decode_step``, with the native ops). The call its
+   C++ call, ``identity_decode_step``, with the native ops; in the steady state, serials
+   included, ``identity_decode_lane`` from vLLM's metadata, :meth:`OffloadManager.identity_lane`).
+   The call its
    sequence outgrows the row it goes FIRST_OFFLOAD (the table resets the row and copies the
    selection, ascending), then STEADY. Batches with no such row take the paths above
    unchanged (``_identity_in_play``).
@@ -60,7 +62,11 @@ from kvo_core.errors import ConfigError
 from kvo_core.residency import RESULT_DTYPE, RequestState, ResidencyResult
 from kvo_kernels import ops
 from kvo_kernels.host_copy import copy_residency_misses_host
-from kvo_kernels.host_identity import identity_decode_step_host, pool_write_rows_host
+from kvo_kernels.host_identity import (
+    identity_decode_lane_host,
+    identity_decode_step_host,
+    pool_write_rows_host,
+)
 from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
@@ -212,6 +218,7 @@ class OffloadManager:
             # caller-owned (read by the layer's attention before the next layer call).
             self._hot_slots = torch.empty(max_rows * top_k, dtype=_I64)
             self._valid = torch.empty(max_rows * top_k, dtype=torch.bool)
+            self._answer_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
             # With kvo's C++ host ops loaded, the serials come from its row_serials too.
             self.identity = [RowIdentity(max_rows=max_rows, num_blocks=num_blocks,
                                          block_size=block_size,
@@ -321,8 +328,12 @@ class OffloadManager:
 
         ``topk`` [T, K]: request-local positions, -1 = none; ``query_start_loc`` [R + 1],
         ``seq_lens`` [R] (tokens including this call's), ``block_table`` [>= R, blocks].
-        (:meth:`gather_selected`, materialised.)
+        (:meth:`identity_lane`, else :meth:`gather_selected`, materialised.)
         """
+        lane = self.identity_lane(layer, topk, query_start_loc, seq_lens, block_table,
+                                  int(seq_lens.shape[0]))
+        if lane is not None:
+            return lane.materialized()
         step = self.step_inputs(query_start_loc, seq_lens, block_table)
         return self.gather_selected(layer, topk, step).materialized()
 
@@ -586,14 +597,56 @@ class OffloadManager:
         return SelectedRows(rows=self.hot[layer], valid=torch.from_numpy(valid).to(self.device),
                             slots=torch.from_numpy(hot_slots).to(self.device))
 
+    def identity_lane(self, layer: int, topk: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_table: torch.Tensor, requests: int
+                      ) -> SelectedRows | None:
+        """``gather`` of a step in the steady state of short requests (every row decodes one
+        token, stays NOT_OFFLOADED and holds the request it held last call), from vLLM's own
+        metadata tensors (their first ``requests`` rows) in one C++ call
+        (``identity_decode_lane``: the serials and the identity step together, the same
+        state and answer as :meth:`gather_selected`). None, with nothing changed, for any
+        other step, and without the native ops: the caller then takes
+        :meth:`step_inputs` and :meth:`gather_selected`.
+
+        Why: at a short context the offload path's cost over resident mode's was its Python
+        at a step's first layer (caches cold after sampling and scheduling): the step's
+        inputs, the serials, the identity step, ~80 us of a ~4 ms decode step."""
+        if (self.copy_implementation != "native" or self.fused is not None
+                or not self.identity_rows[layer].any_held or requests < 1
+                or requests > self.max_rows or topk.dim() != 2 or topk.shape[0] != requests
+                or topk.shape[1] > self.top_k or topk.device.type != "cpu"
+                or query_start_loc.device.type != "cpu"):
+            return None
+        started = time.perf_counter()
+        slots, valid = self._answer(requests, int(topk.shape[1]))
+        held = self.identity_rows[layer]
+        answer = identity_decode_lane_host(
+            self._pool_layers[layer], self.hot[layer], query_start_loc, seq_lens, block_table,
+            self.identity[layer].state, held.held_serials, held.filled, topk, slots, valid,
+            rows=requests, block_size=self.block_size, capacity=self.capacity)
+        if answer is None:
+            return None
+        selected, context = answer
+        self._record_identity_step(layer, requests, selected, context, requests, started)
+        return SelectedRows(rows=self.hot[layer], valid=valid, slots=slots)
+
+    def _answer(self, requests: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caller-owned ``[requests, width]`` views a native identity step answers in
+        (made once per shape: two views per call cost ~5 us at a step's start)."""
+        views = self._answer_views.get((requests, width))
+        if views is None:
+            views = self._answer_views[(requests, width)] = (
+                self._hot_slots[:requests * width].view(requests, width),
+                self._valid[:requests * width].view(requests, width))
+        return views
+
     def _native_identity_step(self, layer: int, topk: torch.Tensor, step: StepInputs,
                               serials: torch.Tensor, started: float) -> SelectedRows | None:
         """:meth:`_gather_identity_step` in one C++ call (kvo-kernels'
         ``identity_decode_step``: the same copies, state and answer)."""
         requests, width = topk.shape
         held = self.identity_rows[layer]
-        slots = self._hot_slots[:requests * width].view(requests, width)
-        valid = self._valid[:requests * width].view(requests, width)
+        slots, valid = self._answer(requests, width)
         answer = identity_decode_step_host(
             self._pool_layers[layer], self.hot[layer], step.raw_blocks, step.raw_seq_lens, serials,
             held.held_serials, held.filled, topk, slots, valid, rows=requests,
