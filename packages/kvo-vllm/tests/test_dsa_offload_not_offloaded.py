@@ -239,3 +239,31 @@ def test_prefix_cache_hit_and_pulled_prompt_fill_from_the_pool(harness: _Harness
     assert [s.identity_rows for s in stats] == [2] * LAYERS
     for _ in range(3):
         harness.step([(a, 1), (pulled, 1)])
+
+
+def test_the_one_call_lane_declines_what_is_not_its_steady_state(harness: _Harness) -> None:
+    """The lane answers only a plain decode step of rows it already holds; anything else
+    (here: a top-k with a padded row, two query tokens, a row filled to another length) is
+    left to the two-call path with nothing changed."""
+    if harness.m.copy_implementation != "native":
+        pytest.skip("the lane is a native op (this parameter runs the torch residency)")
+    req = _Req(blocks=[5, 9, 2])
+    harness.step([(req, 5)])
+    harness.step([(req, 1)])                        # the prompt enters the row
+    table = torch.zeros(1, MAX_BLOCKS, dtype=torch.int32)
+    table[0, :3] = torch.tensor(req.blocks, dtype=torch.int32)
+    one = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    held = harness.m.identity_rows[0]
+    before = (held.held_serials.clone(), held.filled.clone())
+    cases = {
+        "padded top-k": (torch.cat([one, one]), torch.tensor([0, 1]), 7),
+        "two query tokens": (one, torch.tensor([0, 2]), 8),
+        "a length its row is not filled to": (one, torch.tensor([0, 1]), 3),
+    }
+    for name, (topk, qsl, seq_len) in cases.items():
+        lane = harness.m.identity_lane(0, topk, qsl, torch.tensor([seq_len]), table, 1)
+        assert lane is None, name
+        assert torch.equal(held.held_serials, before[0]) and torch.equal(held.filled, before[1])
+    lane = harness.m.identity_lane(0, one, torch.tensor([0, 1]), torch.tensor([7]), table, 1)
+    assert lane is not None                         # the steady step itself: taken
+    assert held.filled[0] == 7

@@ -614,8 +614,9 @@ class OffloadManager:
         if (self.copy_implementation != "native" or self.fused is not None
                 or not self.identity_rows[layer].any_held or requests < 1
                 or requests > self.max_rows or topk.dim() != 2 or topk.shape[0] != requests
-                or topk.shape[1] > self.top_k or topk.device.type != "cpu"
-                or query_start_loc.device.type != "cpu"):
+                or topk.shape[1] > self.top_k
+                or not (topk.is_cpu and query_start_loc.is_cpu and seq_lens.is_cpu
+                        and block_table.is_cpu)):
             return None
         started = time.perf_counter()
         slots, valid = self._answer(requests, int(topk.shape[1]))
