@@ -16,7 +16,8 @@ from kvo_kernels.reference import primitives as ref
 BLOCK, CAPACITY, WIDTH = 4, 8, 6
 
 
-def _case(seed: int, rows: int, index_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _case(seed: int, rows: int, index_dtype: torch.dtype, width: int = WIDTH
+          ) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_row, pool_blocks = 5, 3 + rows * 5
     table = torch.stack([torch.randperm(pool_blocks, generator=gen)[:blocks_per_row]
@@ -28,8 +29,8 @@ def _case(seed: int, rows: int, index_dtype: torch.dtype) -> dict[str, torch.Ten
         n = int(counts[r])
         tokens[r, :n] = torch.randperm(blocks_per_row * BLOCK, generator=gen)[:n]
         slots[r, :n] = torch.randperm(CAPACITY, generator=gen)[:n]
-    return {"pool": torch.randn(pool_blocks * BLOCK, WIDTH, generator=gen),
-            "hot": torch.randn(rows * CAPACITY + 3, WIDTH, generator=gen),
+    return {"pool": torch.randn(pool_blocks * BLOCK, width, generator=gen),
+            "hot": torch.randn(rows * CAPACITY + 3, width, generator=gen),
             "table": table.to(index_dtype), "counts": counts.to(index_dtype),
             "tokens": tokens.to(index_dtype), "slots": slots.to(index_dtype)}
 
@@ -60,6 +61,22 @@ def test_the_copies_equal_the_reference_sparse_copy(index_dtype: torch.dtype, se
     ref.sparse_copy(case["pool"], expected, torch.tensor(src, dtype=torch.int64),
                     torch.tensor(dst, dtype=torch.int64))
     assert _run(case, rows) == len(src)
+    assert torch.equal(case["hot"], expected)
+
+
+def test_a_copy_split_over_threads_equals_the_reference_sparse_copy() -> None:
+    """Rows of 16 KiB: the op hands chunks of 64 KiB to PyTorch's threads (4 rows each)."""
+    rows = 4
+    case = _case(7, rows, torch.int64, width=4096)
+    case["counts"].fill_(CAPACITY)   # every row misses its whole capacity: 32 copies
+    for r in range(rows):
+        case["tokens"][r] = torch.randperm(5 * BLOCK)[:CAPACITY]
+        case["slots"][r] = torch.randperm(CAPACITY)
+    expected = case["hot"].clone()
+    src, dst = _python_copies(case, rows)
+    ref.sparse_copy(case["pool"], expected, torch.tensor(src, dtype=torch.int64),
+                    torch.tensor(dst, dtype=torch.int64))
+    assert _run(case, rows) == len(src) == rows * CAPACITY
     assert torch.equal(case["hot"], expected)
 
 

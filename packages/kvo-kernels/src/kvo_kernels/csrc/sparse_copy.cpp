@@ -138,11 +138,20 @@ int64_t copy_residency_misses_cpu(const at::Tensor& pool, at::Tensor hot,
   const int64_t hot_stride = hot.stride(0) * item;
   const char* pool_base = static_cast<const char*>(pool.data_ptr());
   char* hot_base = static_cast<char*>(hot.data_ptr());
-  for (const auto& [source, target] : copies) {
-    std::memcpy(hot_base + target * hot_stride, pool_base + source * pool_stride,
-                static_cast<size_t>(row_bytes));
-  }
-  return static_cast<int64_t>(copies.size());
+  // Chunks of 64 KiB over PyTorch's threads: the misses are scattered over a pool that is
+  // mostly out of cache, and one thread copying them waits out each row's memory latency
+  // (measured on 2 CPUs, rows of 2.3 KB: 4.7-6.7 GB/s on one thread, 6.8-11 GB/s on two).
+  const int64_t count = static_cast<int64_t>(copies.size());
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto& [source, target] = copies[static_cast<size_t>(i)];
+      std::memcpy(hot_base + target * hot_stride, pool_base + source * pool_stride,
+                  static_cast<size_t>(row_bytes));
+    }
+  });
+  return count;
 }
 
 void sparse_copy_cpu(const at::Tensor& src, at::Tensor dst, const at::Tensor& src_rows,
