@@ -17,6 +17,7 @@ from kvo_kernels.reference.primitives import (
     indexer_scores,
     sparse_copy,
     sparse_mla_attention,
+    sparse_mla_attention_over_keys,
     topk_indices,
 )
 
@@ -100,6 +101,37 @@ def test_sparse_mla_attention_matches_the_definition() -> None:
     want = _attention_by_hand(q, qr, kv, kr, slots, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1], torch.zeros(2, 16))  # no valid slot: zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_gathered_keys_is_the_same_bits_as_over_the_cache(
+        dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 16, generator=g).to(dtype)
+    qr = torch.randn(3, 2, 4, generator=g).to(dtype)
+    cache = torch.randn(9, 20, generator=g).to(dtype)     # latent 16 + rope 4, interleaved
+    slots = torch.tensor([[0, 8, 3, -1], [-1, -1, -1, -1], [2, 2, 5, 1]])
+    want = sparse_mla_attention(q, qr, cache[:, :16], cache[:, 16:], slots, 0.3)
+    rows = cache[slots.clamp(min=0)]                      # [T, K, 20]
+    got = sparse_mla_attention_over_keys(q, qr, rows[..., :16].contiguous(),
+                                         rows[..., 16:].contiguous(), slots >= 0, 0.3)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("keys_latent", torch.zeros(3, 4, 32)[:, :, :16],
+     r"keys_latent must be a contiguous \[3, 4, 16\]"),
+    ("keys_rope", torch.zeros(3, 5, 4), r"keys_rope must be a contiguous \[3, 4, 4\]"),
+    ("valid", torch.ones(3, 4, dtype=torch.int64), "valid"),
+    ("query", torch.zeros(2, 2, 16), "query"),
+])
+def test_attention_over_gathered_keys_refuses_mismatched_shapes(field: str, value: torch.Tensor,
+                                                                 words: str) -> None:
+    args = {"query": torch.zeros(3, 2, 16), "query_rope": torch.zeros(3, 2, 4),
+            "keys_latent": torch.zeros(3, 4, 16), "keys_rope": torch.zeros(3, 4, 4),
+            "valid": torch.ones(3, 4, dtype=torch.bool), field: value}
+    with pytest.raises(KernelArgumentError, match=words):
+        sparse_mla_attention_over_keys(**args, scale=0.3)
 
 
 def test_sparse_mla_attention_keeps_the_query_dtype() -> None:

@@ -14,6 +14,7 @@ from kvo_kernels.reference.primitives import sparse_mla_attention
 from kvo_vllm.dsa.main_kv import (
     LayerInfo,
     PagedMainKV,
+    RowOverlay,
     SelectedRows,
     attend_rows,
     attend_selected,
@@ -94,6 +95,30 @@ def test_attention_over_hot_slots_is_the_same_bits_as_over_gathered_rows(
     assert torch.equal(got, want)
     assert torch.equal(attend_selected(query, query_rope, SelectedRows(rows=rows, valid=valid),
                                        LATENT, 0.3), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_two_caches_is_the_same_bits_as_over_gathered_rows(
+        dtype: torch.dtype) -> None:
+    """A mixed offload step: prefill tokens read the pool by slot, decode tokens (the
+    overlay) the hot buffer; the same rows in the same order as the gathered copy, so the
+    same output bits."""
+    generator = torch.Generator().manual_seed(2)
+    pool = torch.randn(20, WIDTH, generator=generator).to(dtype)
+    hot = torch.randn(12, WIDTH, generator=generator).to(dtype)
+    pool_slots = torch.tensor([[7, 2, 0, 19], [0, 0, 0, 0], [4, 4, 9, 3], [1, 0, 0, 0]])
+    valid = torch.tensor([[True, True, False, True], [True, True, True, False],
+                          [True, True, True, True], [True, False, False, False]])
+    overlay = RowOverlay(tokens=torch.tensor([1, 3]), rows=hot,
+                         slots=torch.tensor([[11, 0, 5, 0], [6, 0, 0, 0]]))
+    query = torch.randn(4, 2, LATENT, generator=generator).to(dtype)
+    query_rope = torch.randn(4, 2, ROPE, generator=generator).to(dtype)
+    selected = SelectedRows(rows=pool, valid=valid, slots=pool_slots, overlay=overlay)
+    rows, _ = selected.materialized()
+    assert torch.equal(rows[0], pool[[7, 2, 0, 19]]) and torch.equal(rows[2], pool[[4, 4, 9, 3]])
+    assert torch.equal(rows[1], hot[[11, 0, 5, 0]]) and torch.equal(rows[3], hot[[6, 0, 0, 0]])
+    got = attend_selected(query, query_rope, selected, LATENT, 0.3)
+    assert torch.equal(got, attend_rows(query, query_rope, rows, valid, LATENT, 0.3))
 
 
 def test_make_main_kv_access_follows_the_mode() -> None:

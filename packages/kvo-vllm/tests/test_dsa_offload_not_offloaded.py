@@ -18,7 +18,7 @@ import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_vllm.dsa import offload_manager
-from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV
+from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, attend_selected
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
 from kvo_vllm.sparse.layout import SparseModelLayout
@@ -82,12 +82,24 @@ class _Harness:
             rows = torch.randn(len(positions), WIDTH, generator=self.gen)
             self.m.write(layer, rows, slots)
             self.resident.write(self.caches[layer], rows, slots, None)
-            out, valid = self.m.gather(layer, picks, qsl, seq_lens, table)
-            want_rows, want_valid = self.resident.gather(
-                self.caches[layer], picks, _Metadata(table, token_request)).materialized()
+            selected = self.m.identity_lane(layer, picks, qsl, seq_lens, table, len(batch))
+            if selected is None:   # what OffloadManager.gather does, keeping the answer
+                step = self.m.step_inputs(qsl, seq_lens, table)
+                selected = self.m.gather_selected(layer, picks, step)
+            out, valid = selected.materialized()
+            resident = self.resident.gather(self.caches[layer], picks,
+                                            _Metadata(table, token_request))
+            want_rows, want_valid = resident.materialized()
             assert torch.equal(valid, want_valid)
             assert torch.equal(out[valid], want_rows[want_valid])
             assert bool(torch.isfinite(out[~valid]).all())  # padding: anything (main_kv)
+            if selected.slots is not None:  # slots name no row where valid is False
+                assert torch.equal(selected.slots >= 0, valid)
+            # The attention over the answer as given (by slot, two caches) is the resident's.
+            query = torch.randn(len(positions), 2, LATENT, generator=self.gen)
+            query_rope = torch.randn(len(positions), 2, ROPE, generator=self.gen)
+            assert torch.equal(attend_selected(query, query_rope, selected, LATENT, 0.5),
+                               attend_selected(query, query_rope, resident, LATENT, 0.5))
             stats.append(self.m.stats.last[layer])
         for r, q in batch:
             r.computed += q

@@ -6,6 +6,7 @@ from kvo_kernels.reference.primitives import (
     indexer_scores,
     sparse_copy,
     sparse_mla_attention,
+    sparse_mla_attention_over_keys,
     topk_indices,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "indexer_scores",
     "sparse_copy",
     "sparse_mla_attention",
+    "sparse_mla_attention_over_keys",
     "topk_indices",
 ]

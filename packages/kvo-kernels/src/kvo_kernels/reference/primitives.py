@@ -99,8 +99,55 @@ def sparse_mla_attention(query: torch.Tensor, query_rope: torch.Tensor, kv: torc
     # whole; the values are the same either way. index_select: the rows of ``kv[safe]``, in
     # 0.6-0.8x its time on CPU.
     rows = safe.reshape(-1)
-    keys_latent = kv.index_select(0, rows).view(*safe.shape, kv.shape[1]).float()  # [T,K,Dl]
-    keys_rope = k_rope.index_select(0, rows).view(*safe.shape, k_rope.shape[1]).float()
+    keys_latent = kv.index_select(0, rows).view(*safe.shape, kv.shape[1])  # [T, K, Dl]
+    keys_rope = k_rope.index_select(0, rows).view(*safe.shape, k_rope.shape[1])
+    return _attend_keys(query, query_rope, keys_latent, keys_rope, valid, scale)
+
+
+def sparse_mla_attention_over_keys(query: torch.Tensor, query_rope: torch.Tensor,
+                                   keys_latent: torch.Tensor, keys_rope: torch.Tensor,
+                                   valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sparse_mla_attention` over keys the caller gathered: token t's k-th key is
+    ``keys_latent[t, k]`` / ``keys_rope[t, k]`` ([T, K, Dl] / [T, K, Dr], contiguous),
+    counted where ``valid[t, k]``; rows where it is False must be finite (they are masked).
+
+    The same arithmetic, so the same bits as ``sparse_mla_attention`` over a cache holding
+    those rows. For a caller whose rows live in two caches (kvo-vllm's offload path in a step
+    mixing prefill rows, read from the host pool, and decode rows, read from the hot
+    buffer): one gather into these tensors instead of a gathered copy that the attention
+    then gathers again.
+    """
+    check.ndim("query", query, 3, "[T, N, Dl]")
+    check.ndim("query_rope", query_rope, 3, "[T, N, Dr]")
+    check.ndim("keys_latent", keys_latent, 3, "[T, K, Dl]")
+    check.ndim("keys_rope", keys_rope, 3, "[T, K, Dr]")
+    check.ndim("valid", valid, 2, "[T, K]")
+    for name, value in (("query", query), ("query_rope", query_rope),
+                        ("keys_latent", keys_latent), ("keys_rope", keys_rope)):
+        check.dtype(name, value, check.FLOAT_DTYPES)
+    check.dtype("valid", valid, (torch.bool,))
+    check.same_device("query", query, query_rope=query_rope, keys_latent=keys_latent,
+                      keys_rope=keys_rope, valid=valid)
+    rows, top_k = valid.shape
+    for name, value, last in (("keys_latent", keys_latent, query.shape[2]),
+                              ("keys_rope", keys_rope, query_rope.shape[2])):
+        if tuple(value.shape) != (rows, top_k, last) or not value.is_contiguous():
+            raise KernelArgumentError(f"{name} must be a contiguous [{rows}, {top_k}, {last}] "
+                                      f"tensor (valid's T and K, the query's width), got "
+                                      f"{tuple(value.shape)}")
+    check.dim_size("query", query, 0, rows, "valid.shape[0] (T)")
+    check.dim_size("query_rope", query_rope, 0, rows, "valid.shape[0] (T)")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale):
+        raise KernelArgumentError(f"scale must be a finite float, got {scale!r}")
+    return _attend_keys(query, query_rope, keys_latent, keys_rope, valid, scale)
+
+
+def _attend_keys(query: torch.Tensor, query_rope: torch.Tensor, keys_latent: torch.Tensor,
+                 keys_rope: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """The arithmetic of sparse MLA attention over gathered keys (checked by the callers)."""
+    keys_latent = keys_latent.float()
+    keys_rope = keys_rope.float()
     logits = (torch.einsum("tnd,tkd->tnk", query.float(), keys_latent)
               + torch.einsum("tnd,tkd->tnk", query_rope.float(), keys_rope)) * float(scale)
     logits = logits.masked_fill(~valid[:, None, :], -math.inf)

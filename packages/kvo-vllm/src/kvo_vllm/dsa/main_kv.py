@@ -31,29 +31,50 @@ import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_core.errors import ConfigError
-from kvo_kernels.reference.primitives import sparse_mla_attention
+from kvo_kernels.reference.primitives import (
+    sparse_mla_attention,
+    sparse_mla_attention_over_keys,
+)
 
 OFFLOAD_MODULE = "kvo_vllm.dsa.offload_main_kv"
 OFFLOAD_CLASS = "OffloadMainKV"
 
 
 @attrs.frozen(eq=False)
+class RowOverlay:
+    """Tokens of a :class:`SelectedRows` whose rows come from a second cache: token
+    ``tokens[i]``'s k-th row is ``rows[slots[i, k]]`` (the offload path's hot buffer, for
+    the decode tokens of a step that also prefills from the host pool)."""
+
+    tokens: torch.Tensor   # [Td] int64, ascending token indices
+    rows: torch.Tensor     # [M, D] cache
+    slots: torch.Tensor    # [Td, K] int64 rows of ``rows``; where the selection's ``valid``
+    #                        is False any row of ``rows`` (or -1): never attended
+
+
+@attrs.frozen(eq=False)
 class SelectedRows:
     """The rows each query token attends to. Either ``rows`` [T, K, D] in top-k order (with
     ``slots`` None), or, with ``slots`` [T, K] given, ``rows`` is a cache [N, D] and token t's
-    k-th row is ``rows[slots[t, k]]`` (-1: none): the offload path's hot buffer, read by the
-    attention directly instead of being gathered into a copy first."""
+    k-th row is ``rows[slots[t, k]]`` (-1: none): the offload path's hot buffer or host pool,
+    read by the attention directly instead of being gathered into a copy first. With
+    ``overlay``, the tokens it lists read their rows from its cache instead (their ``slots``
+    entries are not read)."""
 
     rows: torch.Tensor
     valid: torch.Tensor  # [T, K] bool
     slots: torch.Tensor | None = None
+    overlay: RowOverlay | None = None
 
     def materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [T, K, D] in top-k order, valid [T, K]); rows where ``valid`` is False may
         hold anything."""
         if self.slots is None:
             return self.rows, self.valid
-        return self.rows[self.slots.clamp(min=0)], self.valid
+        rows = self.rows[self.slots.clamp(min=0)]
+        if self.overlay is not None:
+            rows[self.overlay.tokens] = self.overlay.rows[self.overlay.slots.clamp(min=0)]
+        return rows, self.valid
 
 
 @attrs.frozen
@@ -120,9 +141,35 @@ def attend_selected(query: torch.Tensor, query_rope: torch.Tensor, selected: Sel
     if selected.slots is None:
         return attend_rows(query, query_rope, selected.rows, selected.valid, kv_lora_rank,
                            scale)
+    if selected.overlay is not None:
+        return _attend_two_caches(query, query_rope, selected, kv_lora_rank, scale)
     cache = selected.rows
     return sparse_mla_attention(query, query_rope, cache[:, :kv_lora_rank],
                                 cache[:, kv_lora_rank:], selected.slots, scale)
+
+
+def _attend_two_caches(query: torch.Tensor, query_rope: torch.Tensor, selected: SelectedRows,
+                       kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """:func:`attend_selected` of rows in two caches: each token's keys gathered once from
+    its cache (the overlay's tokens from the overlay), then the attention's own arithmetic
+    over them (kvo-kernels' ``sparse_mla_attention_over_keys``: the same bits as over one
+    cache holding those rows). A gathered ``[T, K, D]`` copy attended by
+    :func:`attend_rows` is read twice; a mixed step's prefill chunk made that copy the
+    offload path's largest cost (measured: half of a 16 x 2048-token run's gather time)."""
+    assert selected.slots is not None and selected.overlay is not None
+    overlay = selected.overlay
+    cache, slots = selected.rows, selected.slots.clamp(min=0)
+    tokens, top_k = slots.shape
+    rope = cache.shape[1] - kv_lora_rank
+    keys = []
+    for part, width in ((slice(None, kv_lora_rank), kv_lora_rank), (slice(kv_lora_rank, None),
+                                                                     rope)):
+        gathered = cache[:, part].index_select(0, slots.reshape(-1)).view(tokens, top_k, width)
+        gathered[overlay.tokens] = overlay.rows[:, part].index_select(
+            0, overlay.slots.clamp(min=0).reshape(-1)).view(-1, top_k, width)
+        keys.append(gathered)
+    return sparse_mla_attention_over_keys(query, query_rope, keys[0], keys[1], selected.valid,
+                                          scale)
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:

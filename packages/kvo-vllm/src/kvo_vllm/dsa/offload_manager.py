@@ -67,7 +67,7 @@ from kvo_kernels.host_identity import (
     identity_decode_step_host,
     pool_write_rows_host,
 )
-from kvo_vllm.dsa.main_kv import SelectedRows, attend_rows
+from kvo_vllm.dsa.main_kv import RowOverlay, SelectedRows, attend_rows
 from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
 from kvo_vllm.dsa.offload_identity import RowIdentity
@@ -364,8 +364,8 @@ class OffloadManager:
         bs = self.block_size
         query_lens = qsl[1:requests + 1] - qsl[:requests]
         if self._identity_in_play(layer, seq_lens):
-            return SelectedRows(*self._gather_with_identity(layer, topk, qsl, seq_lens,
-                                                            query_lens, blocks, serials))
+            return self._gather_with_identity(layer, topk, qsl, seq_lens, query_lens, blocks,
+                                              serials)
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
             raise ValueError(f"top-k has {count} rows, the query start locations name "
@@ -388,15 +388,25 @@ class OffloadManager:
             slots = torch.where(valid, pool_rows, torch.full_like(pool_rows, -1))
             return SelectedRows(rows=pool, valid=valid, slots=slots)
         if same_device:
-            # Every token's rows straight from the pool in one pass (a mixed step is mostly
-            # prefill tokens); the decode tokens' rows are then replaced by their hot rows.
-            # Padding holds the row of the request's position 0: finite, and masked.
-            out = torch.index_select(pool, 0, pool_rows.view(-1)).view(
-                count, width, self.layout.row_dim)
-        else:
-            out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
-                              device=self.device)
+            # A mixed step (mostly prefill tokens): the attention reads the prefill tokens'
+            # rows in the pool and the decode tokens' in the hot buffer, each by slot
+            # (SelectedRows.overlay), with no gathered copy in between (it was the largest
+            # cost of such a step: the attention gathers the rows again). Padding reads the
+            # row of the request's position 0: finite, and masked.
+            started = time.perf_counter()
+            hot_index, misses = self._residency(layer, topk, req, qsl, decode, decode_tok,
+                                                serials, seq_lens, query_lens, blocks)
+            selected = int(valid[decode_tok].sum())
+            self._record_step(layer, decode, decode_tok, seq_lens, selected, selected - misses,
+                              misses, time.perf_counter() - started)
+            tokens = decode_tok.nonzero().squeeze(1)
+            return SelectedRows(rows=pool, valid=valid,
+                                slots=torch.where(valid, pool_rows, torch.full_like(pool_rows, -1)),
+                                overlay=RowOverlay(tokens=tokens, rows=hot,
+                                                   slots=hot_index[tokens]))
 
+        out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
+                          device=self.device)
         selected = hits = misses = 0
         residency_seconds = 0.0
         if any_decode:
@@ -407,11 +417,10 @@ class OffloadManager:
             residency_seconds = time.perf_counter() - started
             selected = int(valid[decode_tok].sum())
             hits = selected - misses
-        if not same_device:
-            direct = ~decode_tok
-            if bool(direct.any()):
-                out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
-            out[~valid.to(self.device)] = 0
+        direct = ~decode_tok
+        if bool(direct.any()):
+            out[direct.to(self.device)] = pool[pool_rows[direct]].to(self.device)
+        out[~valid.to(self.device)] = 0
 
         self._record_step(layer, decode, decode_tok, seq_lens, selected, hits, misses,
                           residency_seconds)
@@ -671,13 +680,17 @@ class OffloadManager:
     def _gather_with_identity(self, layer: int, topk: torch.Tensor, qsl: torch.Tensor,
                               seq_lens: torch.Tensor, query_lens: torch.Tensor,
                               blocks: torch.Tensor, serials: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              ) -> SelectedRows:
         """``gather`` of a batch with NOT_OFFLOADED rows (or rows leaving that state): those
         read ``hot[row * capacity + position]``, with no residency update and no miss copy;
         other decode rows go through residency (FIRST_OFFLOAD on the call they outgrow
         their hot row), prefill rows read the pool, as in the general path. ``serials``: the
-        rows' serials when this call already asked :class:`RowIdentity` for them."""
-        count, width = topk.shape
+        rows' serials when this call already asked :class:`RowIdentity` for them.
+
+        With the pool on the attention's device the answer names rows by slot (the hot
+        buffer's, and the pool's for prefill tokens through ``SelectedRows.overlay``): no
+        gathered copy, which the attention would gather again."""
+        count = int(topk.shape[0])
         requests = int(seq_lens.shape[0])
         req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
         if req.numel() != count:
@@ -693,30 +706,18 @@ class OffloadManager:
         valid = topk >= 0
         pos = topk.clamp(min=0)
         hot = self.hot[layer]
-        out = torch.empty(count, width, self.layout.row_dim, dtype=hot.dtype,
-                          device=self.device)
-        ident_tok = plan.identity[req]
-        if bool(ident_tok.all()):
-            out = hot[(req[:, None] * self.capacity + pos).to(self.device)]
-        elif bool(ident_tok.any()):
-            out[ident_tok.to(self.device)] = hot[
-                (req[ident_tok][:, None] * self.capacity + pos[ident_tok]).to(self.device)]
+        hot_index = req[:, None] * self.capacity + pos      # identity tokens' hot rows
         offloaded = decode & ~plan.identity
         offloaded_tok = offloaded[req]
         misses = 0
         if bool(offloaded.any()):
-            hot_index, misses = self._residency(layer, topk, req, qsl, offloaded,
-                                                offloaded_tok, serials, seq_lens, query_lens,
-                                                blocks, first=plan.first)
-            out[offloaded_tok.to(self.device)] = hot[hot_index[offloaded_tok].to(self.device)]
-        direct = ~decode[req]
-        if bool(direct.any()):
-            bs = self.block_size
-            pool_rows = blocks[req[direct]].gather(1, pos[direct] // bs) * bs + (
-                pos[direct] % bs)
-            out[direct.to(self.device)] = self.pool_layer(layer)[pool_rows].to(self.device)
-        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
+            residency_index, misses = self._residency(
+                layer, topk, req, qsl, offloaded, offloaded_tok, serials, seq_lens,
+                query_lens, blocks, first=plan.first)
+            hot_index[offloaded_tok] = residency_index[offloaded_tok]
         decode_tok = decode[req]
+        direct = ~decode_tok
+        any_direct = bool(direct.any())
         selected = int(valid[decode_tok].sum())
         self.stats.record(OffloadLayerStats(
             layer=layer, decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
@@ -727,7 +728,27 @@ class OffloadManager:
             residency_seconds=time.perf_counter() - started,
             identity_rows=int(plan.identity.sum()), identity_fills=filled,
             first_offloads=int(plan.first.sum())))
-        return out, valid.to(self.device)
+        pool = self.pool_layer(layer)
+        bs = self.block_size
+        if pool.device == self.device:
+            none = torch.full_like(hot_index, -1)
+            if not any_direct:
+                return SelectedRows(rows=hot, valid=valid,
+                                    slots=torch.where(valid, hot_index, none))
+            pool_rows = blocks[req].gather(1, pos // bs) * bs + pos % bs        # [T, K]
+            tokens = decode_tok.nonzero().squeeze(1)
+            return SelectedRows(rows=pool, valid=valid, slots=torch.where(valid, pool_rows, none),
+                                overlay=RowOverlay(tokens=tokens, rows=hot,
+                                                   slots=hot_index[tokens]))
+        out = torch.empty(count, topk.shape[1], self.layout.row_dim, dtype=hot.dtype,
+                          device=self.device)
+        out[decode_tok.to(self.device)] = hot[hot_index[decode_tok].to(self.device)]
+        if any_direct:
+            pool_rows = blocks[req[direct]].gather(1, pos[direct] // bs) * bs + (
+                pos[direct] % bs)
+            out[direct.to(self.device)] = pool[pool_rows].to(self.device)
+        out.masked_fill_(~valid.unsqueeze(-1).to(self.device), 0)
+        return SelectedRows(rows=out, valid=valid.to(self.device))
 
     def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
