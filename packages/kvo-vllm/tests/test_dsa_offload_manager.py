@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvo_core.errors import ConfigError
+from kvo_vllm.dsa.main_kv import attend_rows, attend_selected
 from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.dsa.offload_stats import OffloadStats
@@ -132,13 +133,26 @@ def _run_steps(manager: OffloadManager, steps: int, seed: int) -> int:
             rows = torch.randn(len(positions), 12, generator=gen)
             manager.write(layer, rows, torch.cat([slots, torch.tensor([-1])]))
             sched.truth[layer, slots] = rows
-            out, valid = manager.gather(layer, topk, qsl, seq_lens, table)
+            # What manager.gather does, keeping the answer as the attention gets it.
+            selected = manager.identity_lane(layer, topk, qsl, seq_lens, table, len(batch))
+            if selected is None:
+                selected = manager.gather_selected(
+                    layer, topk, manager.step_inputs(qsl, seq_lens, table))
+            out, valid = selected.materialized()
             owner_slots = [[sched.slot(r, int(p)) if p >= 0 else 0 for p in row]
                            for r, row in zip(owners, topk.tolist(), strict=True)]
             want = sched.truth[layer][torch.tensor(owner_slots)]
             assert torch.equal(valid, topk >= 0)
             assert torch.equal(out[valid], want[valid])
             assert bool(torch.isfinite(out[~valid]).all())  # padding: anything finite (main_kv)
+            if selected.slots is not None:  # slots name no row where valid is False
+                assert torch.equal(selected.slots >= 0, valid)
+            # The attention over the answer as given (hot buffer and pool by slot) is the
+            # attention over the true rows, bit for bit.
+            query = torch.randn(len(positions), 2, 8, generator=gen)
+            query_rope = torch.randn(len(positions), 2, 4, generator=gen)
+            assert torch.equal(attend_selected(query, query_rope, selected, 8, 0.5),
+                               attend_rows(query, query_rope, want, valid, 8, 0.5))
             last = manager.stats.last[layer]
             assert last.h2d_bytes == last.misses * manager.row_bytes
             checked += int(valid.sum())
@@ -236,6 +250,53 @@ def test_pool_really_read_and_misses_copied_once(backend: str) -> None:
         assert selected.rows.data_ptr() == manager.pool_layer(0).data_ptr()
         assert selected.slots[:, 0].tolist() == [int(slots[5])] * 3
         assert bool((selected.slots[:, 1:] == -1).all())
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("prefill", [4, 8])
+def test_a_mixed_step_reads_decode_rows_in_the_hot_buffer_and_prefill_rows_in_the_pool(
+        backend: str, prefill: int) -> None:
+    """A step with a decode row and a prefill chunk (of 4 tokens: it fits a hot row, the
+    NOT_OFFLOADED path; of 8: the general path): the attention reads the prefill tokens'
+    rows in the pool and the decode token's in the hot buffer, both by slot (no gathered
+    copy): a pool row changed behind the manager's back after it was copied to the hot
+    buffer is not seen by the decode token (a hit), and the attention over the answer is
+    the attention over the rows each token should see, bit for bit."""
+    manager = _manager(decode_query_rows=1, capacity=K, residency_backend=backend)
+    if backend == "native" and manager.copy_implementation != "native":
+        manager.close()
+        pytest.skip("kvo-kernels' native ops do not build here")
+    try:
+        table = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]], dtype=torch.int32)
+        rows = torch.arange((10 + prefill) * 12, dtype=torch.float32).reshape(-1, 12)
+        a_slots = torch.tensor([int(table[0, p // BS]) * BS + p % BS for p in range(10)])
+        b_slots = torch.tensor([int(table[1, p // BS]) * BS + p % BS for p in range(prefill)])
+        manager.write(0, rows[:9], a_slots[:9])
+        a_topk = torch.tensor([[0, 3, 5, 8, -1, -1]])
+        manager.gather(0, a_topk, torch.tensor([0, 1]), torch.tensor([9]), table[:1])
+        manager.pool_layer(0)[a_slots[5]] = -1.0      # behind the manager's back
+        # The mixed step: A decodes its 10th token, B prefills.
+        manager.write(0, rows[9:], torch.cat([a_slots[9:], b_slots]))
+        topk = torch.tensor([[0, 3, 5, 8, 9, -1]]
+                            + [[0, p, -1, -1, -1, -1] for p in range(prefill)])
+        step = manager.step_inputs(torch.tensor([0, 1, 1 + prefill]),
+                                   torch.tensor([10, prefill]), table)
+        selected = manager.gather_selected(0, topk, step)
+        assert selected.slots is not None and selected.overlay is not None
+        assert selected.rows.data_ptr() == manager.pool_layer(0).data_ptr()
+        assert selected.overlay.tokens.tolist() == [0]
+        out, valid = selected.materialized()
+        assert torch.equal(out[0, :5], rows[[0, 3, 5, 8, 9]])    # the hot copy of 5
+        for t in range(1, 1 + prefill):
+            assert torch.equal(out[t, :2], rows[[10, 10 + t - 1]])
+        assert manager.stats.last[0].decode_rows == 1 and manager.stats.last[0].pool_rows == 1
+        generator = torch.Generator().manual_seed(4)
+        query = torch.randn(1 + prefill, 2, 8, generator=generator)
+        query_rope = torch.randn(1 + prefill, 2, 4, generator=generator)
+        assert torch.equal(attend_selected(query, query_rope, selected, 8, 0.5),
+                           attend_rows(query, query_rope, out, valid, 8, 0.5))
     finally:
         manager.close()
 

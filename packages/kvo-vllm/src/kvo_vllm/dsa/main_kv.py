@@ -166,7 +166,8 @@ def _attend_two_caches(query: torch.Tensor, query_rope: torch.Tensor, selected: 
                                                                      rope)):
         gathered = cache[:, part].index_select(0, slots.reshape(-1)).view(tokens, top_k, width)
         gathered[overlay.tokens] = overlay.rows[:, part].index_select(
-            0, overlay.slots.clamp(min=0).reshape(-1)).view(-1, top_k, width)
+            0, overlay.slots.clamp(min=0).reshape(-1)).view(overlay.slots.shape[0], top_k,
+                                                            width)
         keys.append(gathered)
     return sparse_mla_attention_over_keys(query, query_rope, keys[0], keys[1], selected.valid,
                                           scale)

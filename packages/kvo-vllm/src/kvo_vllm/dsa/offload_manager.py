@@ -91,6 +91,15 @@ def _int64_copy(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(tensor.numpy().astype(np.int64))
 
 
+def _overlay(decode_tok: torch.Tensor, hot: torch.Tensor, hot_index: torch.Tensor
+             ) -> RowOverlay | None:
+    """The decode tokens' hot rows as a :class:`RowOverlay` (None without decode tokens)."""
+    tokens = decode_tok.nonzero().squeeze(1)
+    if not tokens.numel():
+        return None
+    return RowOverlay(tokens=tokens, rows=hot, slots=hot_index[tokens])
+
+
 def _positive(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -399,11 +408,9 @@ class OffloadManager:
             selected = int(valid[decode_tok].sum())
             self._record_step(layer, decode, decode_tok, seq_lens, selected, selected - misses,
                               misses, time.perf_counter() - started)
-            tokens = decode_tok.nonzero().squeeze(1)
             return SelectedRows(rows=pool, valid=valid,
                                 slots=torch.where(valid, pool_rows, torch.full_like(pool_rows, -1)),
-                                overlay=RowOverlay(tokens=tokens, rows=hot,
-                                                   slots=hot_index[tokens]))
+                                overlay=_overlay(decode_tok, hot, hot_index))
 
         out = torch.empty(count, width, self.layout.row_dim, dtype=pool.dtype,
                           device=self.device)
@@ -736,10 +743,8 @@ class OffloadManager:
                 return SelectedRows(rows=hot, valid=valid,
                                     slots=torch.where(valid, hot_index, none))
             pool_rows = blocks[req].gather(1, pos // bs) * bs + pos % bs        # [T, K]
-            tokens = decode_tok.nonzero().squeeze(1)
             return SelectedRows(rows=pool, valid=valid, slots=torch.where(valid, pool_rows, none),
-                                overlay=RowOverlay(tokens=tokens, rows=hot,
-                                                   slots=hot_index[tokens]))
+                                overlay=_overlay(decode_tok, hot, hot_index))
         out = torch.empty(count, topk.shape[1], self.layout.row_dim, dtype=hot.dtype,
                           device=self.device)
         out[decode_tok.to(self.device)] = hot[hot_index[decode_tok].to(self.device)]
