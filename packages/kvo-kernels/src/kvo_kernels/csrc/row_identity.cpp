@@ -31,6 +31,69 @@ int64_t* state(at::Tensor& t, const char* name, at::IntArrayRef shape, const cha
 
 int64_t ceil_div(int64_t value, int64_t by) { return value > 0 ? (value + by - 1) / by : 0; }
 
+// The identity steps' shared parts (identity_decode_step and identity_decode_lane).
+
+void check_pool_and_hot(const char* op, const at::Tensor& pool, const at::Tensor& hot,
+                        int64_t rows, int64_t capacity) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&pool, &hot}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() >= 1 && t->is_contiguous(), op,
+                      ": pool and hot must be contiguous CPU tensors with a row dimension");
+  }
+  TORCH_CHECK_VALUE(pool.scalar_type() == hot.scalar_type() &&
+                        pool.sizes().slice(1) == hot.sizes().slice(1),
+                    op, ": pool and hot rows differ in dtype or shape");
+  TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
+                    capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
+}
+
+void check_answer(const char* op, const at::Tensor& hot_slots, const at::Tensor& valid,
+                  int64_t rows, int64_t width) {
+  TORCH_CHECK_VALUE(hot_slots.device().is_cpu() && hot_slots.scalar_type() == at::kLong &&
+                        hot_slots.is_contiguous() && hot_slots.dim() == 2 &&
+                        hot_slots.size(0) == rows && hot_slots.size(1) == width,
+                    op, ": hot_slots must be a contiguous int64 CPU tensor [", rows, ", ", width,
+                    "]");
+  TORCH_CHECK_VALUE(valid.device().is_cpu() && valid.scalar_type() == at::kBool &&
+                        valid.is_contiguous() && valid.sizes() == hot_slots.sizes(),
+                    op, ": valid must be a contiguous bool CPU tensor [", rows, ", ", width, "]");
+}
+
+// Everything checked: each row's new position pool -> its identity slot, filled advanced,
+// rows past the batch hold nothing, and the top-k's hot slots and validity. Returns the
+// selected entries.
+int64_t apply_identity_step(const at::Tensor& pool, at::Tensor& hot,
+                            const kvo_host::IndexMatrix& lens,
+                            const kvo_host::IndexMatrix& picks,
+                            const std::vector<int64_t>& sources, int64_t* filled_to,
+                            int64_t* held_serials, at::Tensor& hot_slots, at::Tensor& valid,
+                            int64_t rows, int64_t max_rows, int64_t capacity) {
+  const int64_t pool_rows = pool.size(0);
+  const int64_t width = picks.width();
+  const int64_t item = static_cast<int64_t>(pool.element_size());
+  const int64_t row_bytes = (pool.numel() / std::max<int64_t>(pool_rows, 1)) * item;
+  const char* pool_base = static_cast<const char*>(pool.data_ptr());
+  char* hot_base = static_cast<char*>(hot.data_ptr());
+  int64_t* slots_out = hot_slots.data_ptr<int64_t>();
+  bool* valid_out = valid.data_ptr<bool>();
+  int64_t selected = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = lens.at(r);
+    std::memcpy(hot_base + (r * capacity + len - 1) * row_bytes,
+                pool_base + sources[static_cast<size_t>(r)] * row_bytes,
+                static_cast<size_t>(row_bytes));
+    filled_to[r] = len;
+    for (int64_t k = 0; k < width; ++k) {
+      const int64_t t = picks.at(r, k);
+      const bool chosen = t >= 0;
+      slots_out[r * width + k] = chosen ? r * capacity + t : -1;
+      valid_out[r * width + k] = chosen;
+      selected += chosen;
+    }
+  }
+  for (int64_t r = rows; r < max_rows; ++r) held_serials[r] = -1;
+  return selected;
+}
+
 }  // namespace
 
 void row_serials_cpu(const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -113,28 +176,13 @@ std::tuple<int64_t, int64_t> identity_decode_step_cpu(
                     max_rows);
   int64_t* held_serials = state(held, "held", {max_rows}, op);
   int64_t* filled_to = state(filled, "filled", {max_rows}, op);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&pool, &hot}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() >= 1 && t->is_contiguous(), op,
-                      ": pool and hot must be contiguous CPU tensors with a row dimension");
-  }
-  TORCH_CHECK_VALUE(pool.scalar_type() == hot.scalar_type() &&
-                        pool.sizes().slice(1) == hot.sizes().slice(1),
-                    op, ": pool and hot rows differ in dtype or shape");
-  TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
-                    capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
+  check_pool_and_hot(op, pool, hot, rows, capacity);
   const kvo_host::IndexMatrix table(block_table, op, "block_table", 2, rows);
   const kvo_host::IndexMatrix lens(seq_lens, op, "seq_lens", 1, rows);
   const kvo_host::IndexMatrix request(serials, op, "serials", 1, rows);
   const kvo_host::IndexMatrix picks(topk, op, "topk", 2, rows);
   const int64_t width = picks.width();
-  TORCH_CHECK_VALUE(hot_slots.device().is_cpu() && hot_slots.scalar_type() == at::kLong &&
-                        hot_slots.is_contiguous() && hot_slots.dim() == 2 &&
-                        hot_slots.size(0) == rows && hot_slots.size(1) == width,
-                    op, ": hot_slots must be a contiguous int64 CPU tensor [", rows, ", ", width,
-                    "]");
-  TORCH_CHECK_VALUE(valid.device().is_cpu() && valid.scalar_type() == at::kBool &&
-                        valid.is_contiguous() && valid.sizes() == hot_slots.sizes(),
-                    op, ": valid must be a contiguous bool CPU tensor [", rows, ", ", width, "]");
+  check_answer(op, hot_slots, valid, rows, width);
 
   // Is every row in the steady identity state? If not, nothing changes.
   for (int64_t r = 0; r < rows; ++r) {
@@ -165,28 +213,9 @@ std::tuple<int64_t, int64_t> identity_decode_step_cpu(
     context += len;
   }
   // Apply: the new rows, the state, the answer.
-  const int64_t item = static_cast<int64_t>(pool.element_size());
-  const int64_t row_bytes = (pool.numel() / std::max<int64_t>(pool_rows, 1)) * item;
-  const char* pool_base = static_cast<const char*>(pool.data_ptr());
-  char* hot_base = static_cast<char*>(hot.data_ptr());
-  int64_t* slots_out = hot_slots.data_ptr<int64_t>();
-  bool* valid_out = valid.data_ptr<bool>();
-  int64_t selected = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = lens.at(r);
-    std::memcpy(hot_base + (r * capacity + len - 1) * row_bytes,
-                pool_base + sources[static_cast<size_t>(r)] * row_bytes,
-                static_cast<size_t>(row_bytes));
-    filled_to[r] = len;
-    for (int64_t k = 0; k < width; ++k) {
-      const int64_t t = picks.at(r, k);
-      const bool chosen = t >= 0;
-      slots_out[r * width + k] = chosen ? r * capacity + t : -1;
-      valid_out[r * width + k] = chosen;
-      selected += chosen;
-    }
-  }
-  for (int64_t r = rows; r < max_rows; ++r) held_serials[r] = -1;
+  const int64_t selected = apply_identity_step(pool, hot, lens, picks, sources, filled_to,
+                                               held_serials, hot_slots, valid, rows, max_rows,
+                                               capacity);
   return {selected, context};
 }
 
@@ -222,15 +251,7 @@ std::tuple<int64_t, int64_t> identity_decode_lane_cpu(
   const int64_t num_blocks = versions.size(0);
   const int64_t* block_versions =
       state(const_cast<at::Tensor&>(versions), "versions", {num_blocks}, op);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&pool, &hot}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() >= 1 && t->is_contiguous(), op,
-                      ": pool and hot must be contiguous CPU tensors with a row dimension");
-  }
-  TORCH_CHECK_VALUE(pool.scalar_type() == hot.scalar_type() &&
-                        pool.sizes().slice(1) == hot.sizes().slice(1),
-                    op, ": pool and hot rows differ in dtype or shape");
-  TORCH_CHECK_VALUE(rows * capacity <= hot.size(0), op, ": ", rows, " rows of capacity ",
-                    capacity, " need ", rows * capacity, " hot rows, hot has ", hot.size(0));
+  check_pool_and_hot(op, pool, hot, rows, capacity);
   const kvo_host::IndexMatrix starts(query_start_loc, op, "query_start_loc", 1, rows + 1);
   const kvo_host::IndexMatrix lens(seq_lens, op, "seq_lens", 1, rows);
   const kvo_host::IndexMatrix table(block_table, op, "block_table", 2, rows);
@@ -238,14 +259,7 @@ std::tuple<int64_t, int64_t> identity_decode_lane_cpu(
   const int64_t width = picks.width();
   TORCH_CHECK_VALUE(topk.size(0) == rows, op, ": topk has ", topk.size(0), " rows, the call ",
                     rows);
-  TORCH_CHECK_VALUE(hot_slots.device().is_cpu() && hot_slots.scalar_type() == at::kLong &&
-                        hot_slots.is_contiguous() && hot_slots.dim() == 2 &&
-                        hot_slots.size(0) == rows && hot_slots.size(1) == width,
-                    op, ": hot_slots must be a contiguous int64 CPU tensor [", rows, ", ", width,
-                    "]");
-  TORCH_CHECK_VALUE(valid.device().is_cpu() && valid.scalar_type() == at::kBool &&
-                        valid.is_contiguous() && valid.sizes() == hot_slots.sizes(),
-                    op, ": valid must be a contiguous bool CPU tensor [", rows, ", ", width, "]");
+  check_answer(op, hot_slots, valid, rows, width);
   const int64_t table_width = std::min(table.width(), max_blocks);
   const int64_t pool_rows = pool.size(0);
 
@@ -301,28 +315,9 @@ std::tuple<int64_t, int64_t> identity_decode_lane_cpu(
     }
     rec_covered[r] = cover_now;
   }
-  const int64_t item = static_cast<int64_t>(pool.element_size());
-  const int64_t row_bytes = (pool.numel() / std::max<int64_t>(pool_rows, 1)) * item;
-  const char* pool_base = static_cast<const char*>(pool.data_ptr());
-  char* hot_base = static_cast<char*>(hot.data_ptr());
-  int64_t* slots_out = hot_slots.data_ptr<int64_t>();
-  bool* valid_out = valid.data_ptr<bool>();
-  int64_t selected = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = lens.at(r);
-    std::memcpy(hot_base + (r * capacity + len - 1) * row_bytes,
-                pool_base + sources[static_cast<size_t>(r)] * row_bytes,
-                static_cast<size_t>(row_bytes));
-    filled_to[r] = len;
-    for (int64_t k = 0; k < width; ++k) {
-      const int64_t t = picks.at(r, k);
-      const bool chosen = t >= 0;
-      slots_out[r * width + k] = chosen ? r * capacity + t : -1;
-      valid_out[r * width + k] = chosen;
-      selected += chosen;
-    }
-  }
-  for (int64_t r = rows; r < max_rows; ++r) held_serials[r] = -1;
+  const int64_t selected = apply_identity_step(pool, hot, lens, picks, sources, filled_to,
+                                               held_serials, hot_slots, valid, rows, max_rows,
+                                               capacity);
   return {selected, context};
 }
 
