@@ -13,7 +13,16 @@ the same predecessor's leftovers (with a fixed rotation the peer always ran righ
 put, and plain right after the peer's). The engines are started afresh ``--sessions`` times:
 one engine process runs several percent faster or slower than another of the same kind for its
 whole life (seen at 1K and 4K tokens: plain fastest in one start, the peer in the next).
-Overheads are medians of the per-round ratios, never ratios of medians. The prefill device KV
+Overheads are medians of the per-round ratios, never ratios of medians.
+
+The engines run vLLM's ``uni`` executor in their own processes, and vLLM binds the OpenMP
+threads of a CPU worker only in its ``mp`` executor (``OMP_PLACES``/``OMP_PROC_BIND`` set by
+``vllm/utils/ompmultiprocessing.py``). Unbound, the threads of a forward that follows any
+Mooncake master RPC (kvo's lookup and the peer's ``batch_is_exist`` alike) share one CPU for
+several ms until the scheduler splits them: +3-8 ms on a ~20 ms prefill, unrelated to the
+connector's own work. So every engine binds its threads as a served vLLM-CPU would
+(``--omp-bind cores``: ``OMP_PLACES=cores OMP_PROC_BIND=close``, the same for all engines);
+``--omp-bind none`` leaves them unbound. The prefill device KV
 footprint is read from the live caches. Targets: at most 10% TTFT overhead over plain at 4K
 tokens; kvo/peer <= 1 at every length (issue 15 §4).
 
@@ -45,6 +54,10 @@ STORE_SEGMENT_BYTES = 512 << 20
 """Each engine's contribution to the Mooncake pool (kvo's and the peer's alike)."""
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
               "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+OMP_BINDINGS = {"cores": {"OMP_PLACES": "cores", "OMP_PROC_BIND": "close"},
+                "none": {"OMP_PROC_BIND": "false"}}
+"""OpenMP thread binding of every engine (module docstring): what vLLM's mp executor does, or
+nothing."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="pause before each timed request, so the previous engine's "
                              "background work has ended (default 200)")
     parser.add_argument("--model-dir", type=Path, help="where to build/reuse the tiny model")
+    parser.add_argument("--omp-bind", choices=sorted(OMP_BINDINGS), default="cores",
+                        help="OpenMP thread binding of every engine: 'cores' binds one thread "
+                             "per core as vLLM's mp executor does (default); 'none' leaves "
+                             "them to the scheduler")
     parser.add_argument("--no-peer", action="store_true",
                         help="leave out vLLM's MooncakeStoreConnector engine")
     parser.add_argument("--direct", action="store_true",
@@ -98,7 +115,9 @@ def kv_storage_bytes(worker: Any) -> int:
 
 def engine_process(channel: Connection, model: str, max_len: int,
                    transfer: dict[str, Any] | None, env: dict[str, str]) -> None:
-    """Start one engine, then answer ("ttft", token ids) / ("report",) / ("stop",)."""
+    """Start one engine, then answer ("ttft", token ids) / ("report",) / ("stop",).
+
+    ``env`` is applied before torch loads: the OpenMP runtime reads its binding once."""
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ.update(env)
@@ -148,13 +167,14 @@ def report_of(llm: Any, transfer: dict[str, Any] | None) -> dict[str, Any]:
 class Engine:
     """Parent-side handle of one engine process."""
 
-    def __init__(self, name: str, model: Path, max_len: int,
+    def __init__(self, name: str, model: Path, max_len: int, omp_bind: str,
                  transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self.name = name
         self.channel, child = context.Pipe()
+        engine_env = {**OMP_BINDINGS[omp_bind], **(env or {})}
         self.process = context.Process(target=engine_process, name=f"kvo-bench-{name}",
-                                       args=(child, str(model), max_len, transfer, env or {}))
+                                       args=(child, str(model), max_len, transfer, engine_env))
         self.process.start()
 
     def wait_ready(self) -> None:
@@ -276,17 +296,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for session in range(args.sessions):
             print(f"session {session + 1}/{args.sessions}: starting the {names} engines ...",
                   flush=True)
-            engines = [Engine("plain", model, max_len, None),
-                       Engine("layerwise", model, max_len, transfer)]
+            engines = [Engine("plain", model, max_len, args.omp_bind, None),
+                       Engine("layerwise", model, max_len, args.omp_bind, transfer)]
             if not args.no_peer:
-                engines.append(Engine("peer", model, max_len,
+                engines.append(Engine("peer", model, max_len, args.omp_bind,
                                       *peer_transfer(Path(workdir), master.address)))
             if args.direct:
                 assert direct_master is not None
                 direct = json.loads(json.dumps(transfer))
                 direct["kv_connector_extra_config"].update(
                     save_staging_bytes=0, store_master_address=direct_master.address)
-                engines.append(Engine("direct", model, max_len, direct))
+                engines.append(Engine("direct", model, max_len, args.omp_bind, direct))
             try:
                 for engine in engines:
                     engine.wait_ready()
@@ -304,6 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "e2e_layerwise", "model": "tiny random Llama, 8 layers, fp32",
         "quick": args.quick, "reps": args.reps, "sessions": args.sessions,
         "settle_ms": args.settle_ms, "connector_stats": "of the last session's kvo engine",
+        "omp_bind": args.omp_bind, "omp_env": OMP_BINDINGS[args.omp_bind],
         "cpus": os.cpu_count(),
         "peer": None if args.no_peer else "vLLM MooncakeStoreConnector (kv_both, tcp)",
         "layers": offload_report["layers"],
@@ -338,8 +359,10 @@ def print_table(report: dict[str, Any]) -> None:
             line += (f" {row['ttft_peer_s'] * 1000:.1f} | {row['peer_overhead_pct']:+.1f}% | "
                      f"{row['kvo_over_peer']:.3f} |")
         print(line)
+    print()
+    print(f"OpenMP binding of every engine: {report['omp_bind']} "
+          f"({' '.join(f'{k}={v}' for k, v in report['omp_env'].items())})")
     if peer:
-        print()
         print("kvo/peer per session (median round): " + "; ".join(
             f"{row['prompt_tokens']}: " + " / ".join(
                 f"{ratio:.3f}" for ratio in row["kvo_over_peer_by_session"])
