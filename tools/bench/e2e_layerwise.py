@@ -159,6 +159,7 @@ def report_of(llm: Any, transfer: dict[str, Any] | None) -> dict[str, Any]:
             ready_wait_seconds=stats.ready_wait_seconds,
             step_end_wait_seconds=stats.step_end_wait_seconds, steps=stats.steps,
             staged_bytes=stats.staged_bytes, staging_fallbacks=stats.staging_fallbacks,
+            held_bytes=stats.held_bytes,
             stage_seconds=stats.stage_seconds, flush_seconds=stats.flush_seconds,
             flush_wait_seconds=stats.flush_wait_seconds)
     return report
@@ -335,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "footprint_ratio": offload_report["kv_bytes"] / plain_report["kv_bytes"],
         **{key: offload_report[key] for key in (
             "saved_bytes", "failed_saves", "failed_loads", "save_seconds", "ready_wait_seconds",
-            "step_end_wait_seconds", "steps", "staged_bytes", "staging_fallbacks",
+            "step_end_wait_seconds", "steps", "staged_bytes", "held_bytes", "staging_fallbacks",
             "stage_seconds", "flush_seconds", "flush_wait_seconds")},
         "critical_path_ms_per_prefill": 1000.0 * waited / max(offload_report["steps"], 1),
         "results": rows, "target_overhead_pct": TARGET_OVERHEAD_PCT,
@@ -382,6 +383,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"({report['critical_path_ms_per_prefill']:.1f} ms per prefill)")
     steps = max(report["steps"], 1)
     print(f"save staging: {report['staged_bytes'] / 2**20:.1f} MiB staged, "
+          f"{report['held_bytes'] / 2**20:.1f} MiB put from the buffers in place (the last "
+          f"layer of each), "
           f"{report['staging_fallbacks']} layers saved directly (area full); per prefill "
           f"{1000 * report['stage_seconds'] / steps:.2f} ms copying to staging (forward "
           f"thread), {1000 * report['flush_seconds'] / steps:.2f} ms batched put after the "

@@ -230,3 +230,24 @@ def test_an_unannounced_request_is_a_bug_with_a_clear_message() -> None:
     harness.blocks["x"] = [1]
     with pytest.raises(RuntimeError, match="never announced"):
         harness.step({FakeRequest("x", 4): 4})
+
+
+def test_a_fresh_prompt_is_looked_up_by_its_first_block_alone() -> None:
+    asked: list[list[str]] = []
+    harness = Harness()
+    answer = harness.scheduler._exists
+
+    def exists(keys: list[str]) -> list[bool]:
+        asked.append(list(keys))
+        return answer(keys)
+
+    harness.scheduler._exists = exists
+    fresh = FakeRequest("fresh", 4 * BS + 1)  # 4 full blocks
+    assert harness.scheduler.num_new_matched_tokens(fresh, 0) == 0
+    assert asked == [[KEYS.key(h(fresh, 0), layer) for layer in LAYERS]]
+    # A hit on the first block asks for the rest and counts the leading stored blocks.
+    stored = FakeRequest("stored", 4 * BS + 1)
+    harness.stored |= {KEYS.key(h(stored, i), layer) for i in (0, 1, 3) for layer in LAYERS}
+    asked.clear()
+    assert harness.scheduler.num_new_matched_tokens(stored, 0) == 2 * BS
+    assert [len(keys) for keys in asked] == [3, 9]

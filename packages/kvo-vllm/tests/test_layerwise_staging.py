@@ -56,7 +56,9 @@ def test_a_cold_step_releases_slots_before_any_put_and_puts_once_after(staged) -
     store.gate = threading.Event()  # no put can land while the forward runs
     forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
     # The forward ended (layers 2.. reused shared slots) although nothing is stored yet.
-    assert store.values == {} and worker.stats.staged_bytes == 6 * 2 * PAGE
+    # Layers 1-3 were copied; 0, 4 and 5 (the last of their buffers) wait in place.
+    assert store.values == {} and worker.stats.staged_bytes == 3 * 2 * PAGE
+    assert worker.stats.held_bytes == 3 * 2 * PAGE
     store.gate.set()
     worker.wait_staged_puts()
     assert store.put_calls == [12]  # one batched put for the whole step
@@ -79,21 +81,70 @@ def test_the_next_step_loads_only_after_the_staged_put(staged) -> None:
 
 
 def test_a_layer_that_does_not_fit_is_saved_from_its_buffer() -> None:
-    worker, store, caches = make_worker(3 * PAGE)  # room for 3 of the 6 layers' one block
+    worker, store, caches = make_worker(2 * PAGE)  # room for 2 of the 3 copied layers
     try:
         forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 7.0})
         worker.wait_staged_puts()
-        assert worker.stats.staging_fallbacks == 3
-        assert worker.stats.staged_bytes == 3 * PAGE
+        assert worker.stats.staging_fallbacks == 1  # layer 3
+        assert worker.stats.staged_bytes == 2 * PAGE
         for layer in range(6):
             assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 7.0 + layer)
         # The area is free again for the next step.
         forward(worker, caches, step_meta(save=[(2, "b2")]), {2: 8.0})
         worker.wait_staged_puts()
-        assert worker.stats.staging_fallbacks == 6
+        assert worker.stats.staging_fallbacks == 2
         assert all(KEYS.key("b2", layer) in store.values for layer in range(6))
     finally:
         worker.close()
+
+
+def test_the_last_layer_of_each_buffer_is_put_in_place_and_its_slot_held_until_then(
+        staged) -> None:
+    worker, store, caches = staged
+    store.gate = threading.Event()
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    slot = {name: worker.slot_key(name) for name in NAMES}
+    # Three buffers, each held by its last layer (0, then 4 after 2, then 5 after 1 and 3).
+    assert len(set(slot.values())) == 3
+    assert not any(worker.gates.is_open(key) for key in slot.values())
+    waiter = threading.Thread(target=worker.wait_staged_puts)  # what handle_preemptions does
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the next step may not write a buffer yet
+    store.gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert all(worker.gates.is_open(key) for key in slot.values())
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 100.0 + layer)
+
+
+def test_the_next_step_writes_a_held_buffer_only_after_its_put(staged) -> None:
+    worker, store, caches = staged
+    store.put_delay = 0.1
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    # The next step rewrites block 1 in every layer (a recompute of the same block).
+    forward(worker, caches, step_meta(save=[(2, "b2")]), {1: 900.0, 2: 5.0})
+    worker.wait_staged_puts()
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 100.0 + layer)
+        assert torch.all(stored_value(store, KEYS.key("b2", layer)) == 5.0 + layer)
+
+
+def test_a_held_buffer_given_up_on_during_the_put_has_its_keys_removed(staged) -> None:
+    from kvo_core.errors import SlotTimeoutError
+
+    worker, store, caches = staged
+    store.gate = threading.Event()
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    layer0 = worker.slot_key(NAMES[0])
+    for part in worker.gates.pending(layer0):  # a waiter's deadline passed: it overwrites
+        worker.gates.mark_failed(layer0, part, SlotTimeoutError("test deadline"))
+    store.gate.set()
+    worker.wait_staged_puts()
+    worker.poisoned.settle()
+    assert KEYS.key("b1", 0) not in store.values  # maybe torn: never served
+    assert all(KEYS.key("b1", layer) in store.values for layer in range(1, 6))
 
 
 def test_a_staging_area_below_one_block_is_refused_with_the_minimum() -> None:
@@ -177,3 +228,24 @@ def test_the_gather_copies_blocks_in_the_order_asked_and_refuses_what_does_not_f
         staging.gather(rows, [9, 10], 0)
     with pytest.raises(ValueError, match="does not fit"):
         staging.gather(rows, [0, 1], 7 * 128)
+
+
+def test_vllms_pre_forward_hook_waits_for_the_put_that_reads_buffers_in_place(staged) -> None:
+    """vLLM calls ``handle_preemptions`` before its copy-on-write block copies and zeroing,
+    which write blocks before ``start_load_kv``: it must not return while a buffer is read."""
+    from types import SimpleNamespace
+
+    from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
+
+    worker, store, caches = staged
+    store.gate = threading.Event()
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+    connector = SimpleNamespace(_worker=worker)
+    hook = threading.Thread(target=LayerwiseStoreConnector.handle_preemptions,
+                            args=(connector, None))
+    hook.start()
+    hook.join(0.2)
+    assert hook.is_alive() and not worker.gates.is_open(worker.slot_key(NAMES[0]))
+    store.gate.set()
+    hook.join(5)
+    assert not hook.is_alive() and worker.gates.is_open(worker.slot_key(NAMES[0]))

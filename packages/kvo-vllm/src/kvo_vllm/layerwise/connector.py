@@ -164,6 +164,13 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before vLLM writes any block of the step (its copy-on-write block copies and
+        zeroing come before the forward): the last step's batched put, which reads the last
+        layer of each buffer in place, must be over."""
+        if self._worker is not None:
+            self._worker.wait_staged_puts()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, LayerwiseMetadata)

@@ -78,6 +78,7 @@ class LayerwiseScheduler:
         """(layer index, part) of every cache a block is stored as (``LayerLayout``)."""
         self._keys = keys
         self._tp_size = tp_size
+        self._ranked = tuple(keys.for_rank(rank) for rank in range(tp_size))
         self._engine_id = engine_id
         self._exists = store_exists
         self._block_ids_of = block_ids_of
@@ -115,11 +116,15 @@ class LayerwiseScheduler:
         if not local_names and not names:
             return 0
         per_block = len(self._parts) * self._tp_size
-        keys = [self._keys.for_rank(rank).key(name, layer, part)
-                for name in local_names + names for rank in range(self._tp_size)
-                for layer, part in self._parts]
         try:
-            present = self._exists(keys)
+            if local_names or len(names) == 1:
+                present = self._exists(self._keys_of(local_names + names))
+            else:
+                # A fresh prompt misses at its first block: ask for that block's keys alone
+                # (a short request, no keys built for the rest), then for the rest on a hit.
+                present = self._exists(self._keys_of(names[:1]))
+                if all(present):
+                    present += self._exists(self._keys_of(names[1:]))
         except Exception as error:  # a store outage is a cache miss, not a failed request
             logger.warning("kvo layerwise: store lookup failed, treating as a miss: %s", error)
             return 0
@@ -144,11 +149,16 @@ class LayerwiseScheduler:
                 return None
         found = 0
         for position in range(len(local_names), len(local_names) + len(names)):
-            if not stored(position):
+            if (position + 1) * per_block > len(present) or not stored(position):
                 break
             found += 1
         self.stats.lookups += 1
         return found * size
+
+    def _keys_of(self, names: Sequence[str]) -> list[str]:
+        """Every rank's, layer's and part's key of each block, block by block."""
+        return [ranked.key(name, layer, part) for name in names for ranked in self._ranked
+                for layer, part in self._parts]
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request=request))

@@ -10,6 +10,10 @@ before it loads anything.
 
 The area is a bump allocator reset between steps (only once the previous batch is in the
 store). A layer that does not fit is saved directly from its buffer, as without staging.
+
+The last layer of each buffer in the forward is not copied: nothing in the step overwrites it,
+so the batched put reads it from the buffer, whose slot stays closed until the put ends
+(``HeldSlot``). The next step writes the buffer only after waiting for that put.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ def block_rows(tensor: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return rows
 
 
+@attrs.frozen
+class HeldSlot:
+    """A buffer the batched put reads directly: its slot's round ``part`` ends with the put."""
+
+    slot: tuple[int, ...]
+    part: str
+    keys: list[str]
+    """The keys put from it (poisoned if the slot was given up on during the put)."""
+
+
 @attrs.define
 class StagedBatch:
     """What a step staged: one batched put after the forward."""
@@ -45,6 +59,8 @@ class StagedBatch:
     sizes: list[int] = attrs.field(factory=list)
     blocks: int = 0
     bytes_by_part: dict[str, int] = attrs.field(factory=dict)
+    held: list[HeldSlot] = attrs.field(factory=list)
+    """Buffers put from directly (no copy), released when the put ends."""
 
 
 class SaveStaging:

@@ -17,8 +17,10 @@ before its predecessor in the forward returns. Hence:
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
   With a staging area (``staging``) a save is a copy into registered host memory, on the
   forward's thread, that releases the slot at once; ``finish_step`` hands the step's staged
-  blocks to the saver as one batched put and returns, and the next ``start_step`` waits for
-  that put before it loads.
+  blocks to the saver as one batched put and returns, and the next step waits for that put
+  before anything writes a buffer (``handle_preemptions``, then ``start_step``). The last
+  layer of each buffer is not copied: the batched put reads it from the buffer, whose slot
+  stays closed until the put ends (nothing in the step overwrites it).
 
 A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
 times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
@@ -53,7 +55,13 @@ from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
 from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
-from kvo_vllm.layerwise.staging import PENDING_PUTS, SaveStaging, StagedBatch, block_rows
+from kvo_vllm.layerwise.staging import (
+    PENDING_PUTS,
+    HeldSlot,
+    SaveStaging,
+    StagedBatch,
+    block_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,9 @@ class LayerwiseStats:
     """Bytes copied to the staging area (then put after the forward)."""
     staging_fallbacks: int = 0
     """Layer saves that did not fit the staging area and were put from the device buffer."""
+    held_bytes: int = 0
+    """Bytes the batched put read straight from a buffer (each buffer's last layer of the
+    step: no copy, the slot held until the put ends)."""
     stage_seconds: float = 0.0
     """Time spent copying layers into the staging area (on the forward's thread)."""
     flush_seconds: float = 0.0
@@ -189,6 +200,7 @@ class LayerwiseWorker:
                                 for name, layer in layout.by_cache_name().items()}
         self._order: list[str] = [layer.name for layer in layout.layers]
         self._position = {name: i for i, name in enumerate(self._order)}
+        self._last_of_buffer: frozenset[str] = frozenset()
         self._registered: list[int] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
@@ -223,6 +235,10 @@ class LayerwiseWorker:
                           for part in layer.parts)
             self._buffers[layer.name] = _Buffer(layer=layer, parts=parts,
                                                 slot=(parts[0].pointer,))
+        last: dict[SlotKey, str] = {}
+        for name in self._order:
+            last[self._buffers[name].slot] = name
+        self._last_of_buffer = frozenset(last.values())
         start = min(part.pointer for b in self._buffers.values() for part in b.parts)
         self.store.register(start, self.layout.physical_bytes)
         self._registered.append(start)
@@ -288,8 +304,9 @@ class LayerwiseWorker:
         # their parts on the gates in this step; the round takes them with the save.
         self.gates.close(buffer.slot, {part}, take_announced=True)
         saves = self._trusted_saves(buffer)
-        offset = self._staging_offset(buffer, saves)
-        if offset is not None:
+        if self.staging is not None and layer_name in self._last_of_buffer:
+            self._hold_layer(buffer, part, saves)
+        elif (offset := self._staging_offset(buffer, saves)) is not None:
             self._stage_layer(buffer, part, saves, offset)
         else:
             self._save_futures.append(self._saver.submit(self._put_layer, buffer, part, saves))
@@ -662,14 +679,57 @@ class LayerwiseWorker:
             self.stats.staged_bytes += sum(sizes)
             self.stats.stage_seconds += time.perf_counter() - started
 
+    def _hold_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
+        """Add the layer's blocks to the step's batched put as they lie in its buffer, which
+        no later layer of the step reuses; the slot's round ends when that put does
+        (``_release_held``). The forward pays for the keys only, not for a copy."""
+        if not refs:
+            self.gates.mark_done(buffer.slot, part)
+            return
+        keys, addrs, sizes = buffer.transfers(self.keys, refs)
+        staged = self._staged
+        staged.keys += keys
+        staged.addrs += addrs
+        staged.sizes += sizes
+        staged.blocks += len(refs)
+        staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
+        for cache in buffer.parts:
+            staged.bytes_by_part[cache.planned.part] = (
+                staged.bytes_by_part.get(cache.planned.part, 0)
+                + len(refs) * cache.planned.block_bytes)
+        with self._stats_lock:
+            self.stats.held_bytes += sum(sizes)
+
+    def _release_held(self, batch: StagedBatch) -> list[str]:
+        """End the rounds of the buffers the put read directly; the keys of those given up on
+        meanwhile (a deadline passed: the buffer may have been overwritten during the put)."""
+        torn: list[str] = []
+        for held in batch.held:
+            if not self.gates.mark_done(held.slot, held.part):
+                torn += held.keys
+        return torn
+
     def _put_staged(self, batch: StagedBatch) -> bool:
-        """One batched put of a step's staged blocks; True when it failed (keys poisoned)."""
+        """One batched put of a step's staged blocks; True when it failed or some of its keys
+        were poisoned."""
+        try:
+            stored = self._put_batch(batch)
+        finally:
+            torn = self._release_held(batch)
+        if torn and stored:
+            logger.error("kvo layerwise: %d keys were put from a buffer given up on during the "
+                         "put (deadline); removing them", len(torn))
+            self._poison_keys(torn)
+        return bool(torn) or not stored
+
+    def _put_batch(self, batch: StagedBatch) -> bool:
+        """The batched put itself; whether it stored (else its keys are poisoned)."""
         started = time.perf_counter()
         try:
             ticket = self.poisoned.begin_save(batch.keys, self.layer_deadline_s)
         except RemovalStillRunningError as error:
             self._fail_staged(batch, error)
-            return True
+            return False
         stored = False
         try:
             self.store.put_from(batch.keys, batch.addrs, batch.sizes)
@@ -687,7 +747,7 @@ class LayerwiseWorker:
                     by_part = self.stats.saved_bytes_by_part
                     by_part[name] = by_part.get(name, 0) + moved
                 self.stats.flush_seconds += time.perf_counter() - started
-        return not stored
+        return stored
 
     def _fail_staged(self, batch: StagedBatch, error: Exception) -> None:
         logger.error("kvo layerwise: saving %d staged blocks failed: %s", batch.blocks, error)

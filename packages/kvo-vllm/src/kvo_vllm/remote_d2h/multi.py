@@ -187,6 +187,11 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self.remote.clear_connector_metadata()
         super().clear_connector_metadata()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvoMultiMetadata)
+        self.layerwise.handle_preemptions(kv_connector_metadata.layerwise)
+        self.remote.handle_preemptions(kv_connector_metadata.remote)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         for connector in self._completion_first:
             connector.start_load_kv(forward_context, **kwargs)
