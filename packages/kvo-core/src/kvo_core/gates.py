@@ -111,6 +111,8 @@ class GateStateError(KvoError, RuntimeError):
 
 
 def _check_key(key: SlotKey) -> SlotKey:
+    if type(key) is tuple and len(key) == 1 and type(key[0]) is int and key[0] >= 0:
+        return key  # the common one-tensor slot, checked without a generator (hot path)
     if (not isinstance(key, tuple) or not key
             or any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in key)):
         raise TypeError(f"a slot key must be a non-empty tuple of base addresses "
@@ -213,7 +215,7 @@ class SlotGates:
                 raise GateStateError(
                     f"slot {slot_name(key)} is still busy (waiting for "
                     f"{_names(current.pending)}); wait for it before closing it again")
-            if take_announced:
+            if take_announced and self._announced_epoch:
                 expected |= {part for (slot, part), epoch in self._announced_epoch.items()
                              if slot == key and epoch == self._epoch}
             current = self._rounds[key] = _Round(expected=expected, pending=set(expected))
@@ -345,6 +347,11 @@ class SlotGates:
         key = _check_key(key)
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or a number >= 0 seconds, got {timeout!r}")
+        current = self._rounds.get(key)
+        if current is None or (not current.pending and current.error is None):
+            # Without the lock: a round only ever moves towards over, so one seen over (and
+            # not failed) is over. The per-layer path of a forward waits like this mostly.
+            return
         if timeout is not None and math.isinf(timeout):
             timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -55,7 +55,17 @@ class StoreKeys:
 
     def key(self, block_name: str, layer: int, part: str = MAIN_PART) -> str:
         """One cache part (``kv``, ``idx``) of one layer of one block, on this rank."""
-        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/L{layer}/{part}"
+        return self.block_prefix(block_name) + layer_suffix(layer, part)
+
+    def block_prefix(self, block_name: str) -> str:
+        """What every key of the block starts with: a key is this + ``layer_suffix`` (the
+        per-layer save path builds its keys from both, without a call per key)."""
+        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/"
 
     def for_rank(self, rank: int) -> StoreKeys:
         return attrs.evolve(self, rank=rank)
+
+
+def layer_suffix(layer: int, part: str = MAIN_PART) -> str:
+    """The end of every key of one cache part of one layer (see ``StoreKeys.block_prefix``)."""
+    return f"L{layer}/{part}"

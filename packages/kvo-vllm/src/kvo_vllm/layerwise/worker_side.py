@@ -51,7 +51,7 @@ import torch
 
 from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
 from kvo_core.gates import SlotGates, SlotKey
-from kvo_vllm.layerwise.keys import StoreKeys, is_request_block
+from kvo_vllm.layerwise.keys import StoreKeys, is_request_block, layer_suffix
 from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
@@ -159,6 +159,8 @@ class _Buffer:
     parts: tuple[_Part, ...]
     """Main KV first, then the indexer: every cache a block of this layer is stored as."""
     slot: SlotKey
+    suffixes: tuple[str, ...]
+    """Key endings of this layer's parts, in part order (``keys.layer_suffix``)."""
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -171,12 +173,17 @@ class _Buffer:
         return [keys.key(ref.name, self.layer.index, part.planned.part)
                 for part in self.parts for ref in refs]
 
-    def transfers(self, keys: StoreKeys, refs: list[BlockRef]) -> tuple[list[str], list[int],
-                                                                          list[int]]:
-        """(keys, addresses, sizes) of ``refs`` in every part, part by part."""
+    def keys_with(self, prefixes: list[str]) -> list[str]:
+        """``keys`` from the blocks' ``StoreKeys.block_prefix``es (the per-layer save path)."""
+        return [prefix + suffix for suffix in self.suffixes for prefix in prefixes]
+
+    def transfers(self, keys: list[str], refs: list[BlockRef]) -> tuple[list[str], list[int],
+                                                                       list[int]]:
+        """(keys, addresses, sizes) of ``refs`` in every part, part by part; ``keys`` are
+        theirs."""
         addresses = [part.address(ref.block_id) for part in self.parts for ref in refs]
         sizes = [part.planned.block_bytes for part in self.parts for _ in refs]
-        return self.keys(keys, refs), addresses, sizes
+        return keys, addresses, sizes
 
 
 class LayerwiseWorker:
@@ -215,6 +222,7 @@ class LayerwiseWorker:
         self._meta: LayerwiseMetadata | None = None
         self._loads: dict[bool, list[BlockRef]] = {}
         self._saves: list[BlockRef] = []
+        self._save_prefixes: list[str] = []
         self._pending_loads: dict[str, Future[list[int]]] = {}
         self._ready: set[str] = set()
         self._save_futures: list[Future[None]] = []
@@ -233,8 +241,9 @@ class LayerwiseWorker:
                                 rows=block_rows(kv_caches[part.cache_name], part.block_bytes),
                                 num_blocks=self.layout.num_blocks)
                           for part in layer.parts)
-            self._buffers[layer.name] = _Buffer(layer=layer, parts=parts,
-                                                slot=(parts[0].pointer,))
+            self._buffers[layer.name] = _Buffer(
+                layer=layer, parts=parts, slot=(parts[0].pointer,),
+                suffixes=tuple(layer_suffix(layer.index, part.planned.part) for part in parts))
         last: dict[SlotKey, str] = {}
         for name in self._order:
             last[self._buffers[name].slot] = name
@@ -278,6 +287,7 @@ class LayerwiseWorker:
             self.stats.steps += 1
         self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
         self._saves = meta.saves()
+        self._save_prefixes = [self.keys.block_prefix(ref.name) for ref in self._saves]
         for request in meta.requests:
             names = {ref.name for ref in request.save if is_request_block(ref.name)}
             if names:
@@ -287,7 +297,7 @@ class LayerwiseWorker:
 
     def before_attention(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
-        if not self._active() or layer_name not in self._position:
+        if layer_name in self._ready or not self._active() or layer_name not in self._position:
             return
         if layer_name not in self._ready:
             raise PipelineError(
@@ -476,7 +486,7 @@ class LayerwiseWorker:
         fails the request once ``take_load_errors`` reports the blocks; its re-save un-poisons.
         """
         if not self._step_failed or self._meta is None:
-            return list(self._saves)
+            return self._saves  # read only (``_save_keys`` knows its prefixes)
         failed = self._step_failed
         trusted = LayerwiseMetadata(requests=tuple(
             request for request in self._meta.requests
@@ -488,6 +498,12 @@ class LayerwiseWorker:
         if dropped:
             self._poison(buffer.keys(self.keys, [BlockRef(0, name) for name in dropped]))
         return trusted
+
+    def _save_keys(self, buffer: _Buffer, refs: list[BlockRef]) -> list[str]:
+        """The layer's keys of ``refs``: from the step's prefixes when they are its saves."""
+        if refs is self._saves:
+            return buffer.keys_with(self._save_prefixes)
+        return buffer.keys_with([self.keys.block_prefix(ref.name) for ref in refs])
 
     def _wait_slot(self, buffer: _Buffer) -> None:
         """Wait until the previous occupant's consumers are done with the slot."""
@@ -539,7 +555,7 @@ class LayerwiseWorker:
             return []
         started = time.perf_counter()
         layer = buffer.layer.index
-        keys, addrs, sizes = buffer.transfers(self.keys, refs)
+        keys, addrs, sizes = buffer.transfers(buffer.keys(self.keys, refs), refs)
         # Two requests with one prefix load the same key into two device blocks. Each key is
         # read from the store once (a batched get does not fill two destinations of one key:
         # measured with Mooncake) and copied to its other blocks on the device.
@@ -646,7 +662,7 @@ class LayerwiseWorker:
         """
         assert self.staging is not None
         started = time.perf_counter()
-        keys = buffer.keys(self.keys, refs)
+        keys = self._save_keys(buffer, refs)
         block_ids = [ref.block_id for ref in refs]
         addrs: list[int] = []
         sizes: list[int] = []
@@ -686,7 +702,7 @@ class LayerwiseWorker:
         if not refs:
             self.gates.mark_done(buffer.slot, part)
             return
-        keys, addrs, sizes = buffer.transfers(self.keys, refs)
+        keys, addrs, sizes = buffer.transfers(self._save_keys(buffer, refs), refs)
         staged = self._staged
         staged.keys += keys
         staged.addrs += addrs
@@ -758,7 +774,7 @@ class LayerwiseWorker:
 
     def _put_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         started = time.perf_counter()
-        keys, addrs, sizes = buffer.transfers(self.keys, refs)
+        keys, addrs, sizes = buffer.transfers(self._save_keys(buffer, refs), refs)
         try:
             ticket = self.poisoned.begin_save(keys, self.layer_deadline_s)
         except RemovalStillRunningError as error:
