@@ -1,0 +1,283 @@
+"""Benchmark: what a store connector costs a cold prefill, measured inside one engine.
+
+``e2e_layerwise`` compares separate engine processes, and one process runs several percent
+faster or slower than another of the same kind for its whole life: at short prompts that is
+more than a connector's whole cost. Here each engine measures its own connector: its requests
+alternate, in a random order per pair, between the connector at work and the connector bypassed
+(its prefix lookup answers "no hit" without asking the store, its worker hooks return at once),
+on fresh prompts, after a pause each (``--settle-ms``). The cost is the median of the paired
+differences (with - without), so process-to-process speed drops out.
+
+Two engines, both alive, taking turns: kvo's ``LayerwiseStoreConnector`` (8 layers in 3
+buffers, save staging on) and vLLM's own ``MooncakeStoreConnector`` as shipped (the peer of
+``e2e_layerwise``), on one Mooncake master. The bypass is this benchmark's own patch of each
+connector class in its engine process (a measuring device, on no production path). Both engines
+bind their OpenMP threads as in ``e2e_layerwise`` (``--omp-bind``).
+
+Starts Mooncake, so it runs inside a loopback-only network namespace
+(``nox -s bench -- connector_cost`` does that); by hand::
+
+    unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 python tools/bench/connector_cost.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from e2e_layerwise import ENGINE_ENV, OMP_BINDINGS, STORE_SEGMENT_BYTES, peer_transfer
+
+TOOLS = Path(__file__).resolve().parent.parent
+BYPASSED_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
+"""Worker hooks that return at once while the connector is bypassed."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results as JSON to this path")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024],
+                        help="prompt lengths in tokens (default 256 512 1024)")
+    parser.add_argument("--pairs", type=int, default=30,
+                        help="with/without pairs per engine and length (default 30)")
+    parser.add_argument("--settle-ms", type=float, default=100.0,
+                        help="pause before each timed request (default 100)")
+    parser.add_argument("--omp-bind", choices=sorted(OMP_BINDINGS), default="cores",
+                        help="OpenMP thread binding of both engines (see e2e_layerwise)")
+    parser.add_argument("--model-dir", type=Path, help="where to build/reuse the tiny model")
+    args = parser.parse_args(argv)
+    if any(n < 2 or n > 8000 for n in args.lengths):
+        parser.error(f"--lengths must be between 2 and 8000 tokens, got {args.lengths}")
+    if args.pairs < 3:
+        parser.error(f"--pairs must be >= 3, got {args.pairs}")
+    if not 0 <= args.settle_ms <= 10_000:
+        parser.error(f"--settle-ms must be between 0 and 10000, got {args.settle_ms}")
+    return args
+
+
+# -- engine processes --------------------------------------------------------------------------
+
+class Bypass:
+    """Whether the engine's connector is bypassed for the next request (engine process)."""
+
+    on = False
+
+
+def install_bypass(connector_class: type) -> None:
+    """Wrap the connector's hooks and prefix lookup so that ``Bypass.on`` skips them."""
+    for name in BYPASSED_HOOKS:
+        hook = getattr(connector_class, name)
+
+        def skipped(self: Any, *args: Any, _hook: Any = hook, **kwargs: Any) -> Any:
+            return None if Bypass.on else _hook(self, *args, **kwargs)
+
+        setattr(connector_class, name, skipped)
+    lookup = connector_class.get_num_new_matched_tokens
+
+    def no_hit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return (0, False) if Bypass.on else lookup(self, *args, **kwargs)
+
+    connector_class.get_num_new_matched_tokens = no_hit
+
+
+def engine_process(channel: Connection, model: str, max_len: int, transfer: dict[str, Any],
+                   env: dict[str, str]) -> None:
+    """Start one engine, then answer ("ttft", token ids, bypassed) / ("stop",)."""
+    for name, value in ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(env)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    if transfer["kv_connector"] == "LayerwiseStoreConnector":
+        from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
+
+        install_bypass(LayerwiseStoreConnector)
+    else:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+            MooncakeStoreConnector,
+        )
+
+        install_bypass(MooncakeStoreConnector)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True,
+              distributed_executor_backend="uni", max_model_len=max_len,
+              max_num_batched_tokens=max_len, seed=0,
+              kv_transfer_config=KVTransferConfig(**transfer))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    channel.send("ready")
+    while True:
+        command = channel.recv()
+        if command[0] == "ttft":
+            Bypass.on = command[2]
+            started = time.perf_counter()
+            llm.generate([{"prompt_token_ids": command[1]}], params, use_tqdm=False)
+            channel.send(time.perf_counter() - started)
+        else:
+            llm.llm_engine.engine_core.shutdown()
+            channel.send("stopped")
+            return
+
+
+class Engine:
+    """Parent-side handle of one engine process."""
+
+    def __init__(self, name: str, model: Path, max_len: int, transfer: dict[str, Any],
+                 env: dict[str, str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.name = name
+        self.channel, child = context.Pipe()
+        self.process = context.Process(target=engine_process, name=f"kvo-cost-{name}",
+                                       args=(child, str(model), max_len, transfer, env))
+        self.process.start()
+
+    def wait_ready(self) -> None:
+        if self.channel.recv() != "ready":
+            raise RuntimeError(f"the {self.name} engine did not start")
+
+    def ttft(self, prompt: list[int], bypassed: bool) -> float:
+        self.channel.send(("ttft", prompt, bypassed))
+        result = self.channel.recv()
+        assert isinstance(result, float)
+        return result
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.channel.send(("stop",))
+                self.channel.recv()
+            finally:
+                self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.terminate()
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+def measure(engines: list[Engine], lengths: list[int], pairs: int, settle_s: float,
+            rng: random.Random) -> list[dict[str, Any]]:
+    """Per length and engine: TTFT with and without the connector, paired (module docstring)."""
+    rows = []
+    for length in lengths:
+        def fresh(n: int = length) -> list[int]:
+            return [rng.randrange(256) for _ in range(n)]
+
+        for engine in engines:  # warm both modes
+            for bypassed in (False, True):
+                engine.ttft(fresh(), bypassed)
+        timed: dict[str, dict[bool, list[float]]] = {
+            engine.name: {False: [], True: []} for engine in engines}
+        for _ in range(pairs):
+            turns = [(engine, bypassed) for engine in engines for bypassed in (False, True)]
+            rng.shuffle(turns)
+            for engine, bypassed in turns:
+                time.sleep(settle_s)
+                timed[engine.name][bypassed].append(engine.ttft(fresh(), bypassed))
+        row: dict[str, Any] = {"prompt_tokens": length}
+        for name, by_mode in timed.items():
+            with_s, without_s = by_mode[False], by_mode[True]
+            row[name] = {
+                "ttft_with_s": statistics.median(with_s),
+                "ttft_without_s": statistics.median(without_s),
+                "cost_s": statistics.median(w - o for w, o in zip(with_s, without_s,
+                                                                  strict=True)),
+                "samples_with_s": with_s, "samples_without_s": without_s}
+        kvo, peer = row["kvo"]["cost_s"], row["peer"]["cost_s"]
+        row["kvo_cost_over_peer_cost"] = kvo / peer if peer > 0 else None
+        print(f"  {length} tokens: kvo costs {kvo * 1000:.2f} ms, the peer "
+              f"{peer * 1000:.2f} ms", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(TOOLS))
+    from models.tiny_llama import build_tiny_llama
+
+    from kvo_transport.mooncake_master import MooncakeMaster
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = build_tiny_llama(args.model_dir or Path(tempfile.gettempdir()) / "kvo-tiny-llama-8",
+                             num_layers=8)
+    max_len = max(args.lengths) + 64
+    omp = OMP_BINDINGS[args.omp_bind]
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster())
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        kvo_transfer = {
+            "kv_connector": "LayerwiseStoreConnector",
+            "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "store_master_address": master.address,
+                "store_segment_bytes": STORE_SEGMENT_BYTES,
+                "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
+        peer, peer_env = peer_transfer(workdir, master.address)
+        print("starting the kvo and MooncakeStoreConnector engines ...", flush=True)
+        engines = [Engine("kvo", model, max_len, kvo_transfer, dict(omp)),
+                   Engine("peer", model, max_len, peer, {**omp, **peer_env})]
+        try:
+            for engine in engines:
+                engine.wait_ready()
+            rows = measure(engines, args.lengths, args.pairs, args.settle_ms / 1000,
+                           random.Random(0))
+        finally:
+            for engine in engines:
+                engine.stop()
+    return {
+        "benchmark": "connector_cost", "model": "tiny random Llama, 8 layers, fp32",
+        "pairs": args.pairs, "settle_ms": args.settle_ms, "omp_bind": args.omp_bind,
+        "omp_env": omp, "cpus": os.cpu_count(),
+        "kvo": "LayerwiseStoreConnector (8 layers in 3 buffers, save staging on)",
+        "peer": "vLLM MooncakeStoreConnector (kv_both, tcp)",
+        "results": rows,
+        "kvo_at_or_below_peer": all(r["kvo"]["cost_s"] <= r["peer"]["cost_s"] for r in rows),
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print()
+    print("| prompt tokens | kvo: TTFT with / without (ms) | kvo cost (ms) | "
+          "peer: TTFT with / without (ms) | peer cost (ms) | kvo cost / peer cost |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in report["results"]:
+        kvo, peer = row["kvo"], row["peer"]
+        ratio = row["kvo_cost_over_peer_cost"]
+        print(f"| {row['prompt_tokens']} | {kvo['ttft_with_s'] * 1000:.2f} / "
+              f"{kvo['ttft_without_s'] * 1000:.2f} | {kvo['cost_s'] * 1000:+.2f} | "
+              f"{peer['ttft_with_s'] * 1000:.2f} / {peer['ttft_without_s'] * 1000:.2f} | "
+              f"{peer['cost_s'] * 1000:+.2f} | "
+              f"{'n/a' if ratio is None else f'{ratio:.2f}'} |")
+    print()
+    print(f"cost = median of {report['pairs']} paired differences (with - without) in one "
+          f"engine; OpenMP binding: {report['omp_bind']}")
+    verdict = "met" if report["kvo_at_or_below_peer"] else "MISSED"
+    print(f"kvo's cost <= the peer's at every length: {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("KVO_IN_NETNS") != "1":
+        print("connector_cost starts Mooncake, which listens on every interface: run it inside "
+              "a loopback-only network namespace (nox -s bench -- connector_cost does this)",
+              file=sys.stderr)
+        return 2
+    report = run(args)
+    print_table(report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
