@@ -173,7 +173,7 @@ def test_a_finished_requests_blocks_are_removed_after_their_staged_put(staged) -
     forward(worker, caches, step_meta(save=[(1, "q/E/r/0"), (2, "h/ab")]), {1: 1.0, 2: 2.0})
     worker.forget_requests({"r"})  # while the put is still running
     worker.wait_staged_puts()
-    worker._saver.submit(lambda: None).result()
+    worker._flusher.submit(lambda: None).result()
     worker.poisoned.settle()
     assert set(store.values) == {KEYS.key("h/ab", i) for i in range(6)}
 
@@ -249,3 +249,22 @@ def test_vllms_pre_forward_hook_waits_for_the_put_that_reads_buffers_in_place(st
     store.gate.set()
     hook.join(5)
     assert not hook.is_alive() and worker.gates.is_open(worker.slot_key(NAMES[0]))
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_the_batched_put_runs_in_a_thread_of_the_configured_niceness(nice: int) -> None:
+    import os
+
+    store = CountingStore()
+    worker, caches = make_rig(store, staging_bytes=64 * PAGE, flush_nice=nice)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        seen: list[int] = []
+        store.put_from = lambda keys, addrs, lengths: seen.append(  # type: ignore[method-assign]
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
+        worker.wait_staged_puts()
+        assert seen == [min(base + nice, 19)]
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the engine's own thread keeps it
+    finally:
+        worker.close()

@@ -95,7 +95,8 @@ class MemoryStore:
         pass
 
 
-def make_rig(store: MemoryStore, *, staging_bytes: int = 0) -> tuple[LayerwiseWorker, dict]:
+def make_rig(store: MemoryStore, *, staging_bytes: int = 0,
+             flush_nice: int = 0) -> tuple[LayerwiseWorker, dict]:
     """A worker over six layers sharing two buffers (layer 0 owns one); its live caches."""
     page = SPEC.page_size_bytes
     config = KVCacheConfig(
@@ -107,7 +108,8 @@ def make_rig(store: MemoryStore, *, staging_bytes: int = 0) -> tuple[LayerwiseWo
     apply_layout(config, layout)
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
     worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
-                             layer_deadline_s=5.0, staging_bytes=staging_bytes)
+                             layer_deadline_s=5.0, staging_bytes=staging_bytes,
+                             flush_nice=flush_nice)
     worker.register_kv_caches(caches)
     return worker, caches
 

@@ -292,6 +292,12 @@ class LayerwiseOffloadConfig:
     """Host area (registered memory, default 64 MiB) a layer's save is copied into so its
     buffer is free at once; the store put runs after the forward. 0: put straight from the
     device buffer, as a layer that does not fit is."""
+    flush_nice: int = attrs.field(default=19, validator=_int_in(0, 19))
+    """Niceness of the thread that puts a step's staged blocks after the forward (Linux;
+    0: as the engine's). It runs while vLLM samples and returns the step's output, and on a
+    CPU the engine's own threads need it would delay that output; at 19 it takes the CPU only
+    when they leave it (at the latest when the next step waits for the put). Measured with
+    ``nox -s bench -- connector_cost``."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *,

@@ -142,7 +142,8 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 keys=StoreKeys(namespace=namespace, rank=get_tensor_model_parallel_rank()),
                 store=self._store, prefetch_depth=self.config.prefetch_depth,
                 layer_deadline_s=self.config.layer_deadline_s,
-                staging_bytes=self.config.save_staging_bytes)
+                staging_bytes=self.config.save_staging_bytes,
+                flush_nice=self.config.flush_nice)
         else:
             self._scheduler = LayerwiseScheduler(
                 block_size=self.layout.block_size,

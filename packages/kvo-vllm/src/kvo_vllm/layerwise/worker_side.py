@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -73,6 +74,19 @@ and its indexer's key cache)."""
 STORE_PART = "store"
 LOAD_ATTEMPTS = 3
 """Tries of one layer's batched get before its blocks are reported as load errors."""
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux threads have their own); where
+    that is not possible the thread keeps the engine's priority (logged once per thread)."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+    except (AttributeError, OSError) as error:  # not Linux, or refused
+        logger.warning("kvo layerwise: could not lower the flush thread's priority by %d: %s",
+                       nice, error)
 
 
 class PipelineError(KvoError, RuntimeError):
@@ -190,7 +204,8 @@ class LayerwiseWorker:
     """Drives loads and saves around each attention layer of one worker."""
 
     def __init__(self, *, layout: LayerLayout, keys: StoreKeys, store: Any,
-                 prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0) -> None:
+                 prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0,
+                 flush_nice: int = 0) -> None:
         self.layout = layout
         self.keys = keys
         self.store = store
@@ -211,6 +226,11 @@ class LayerwiseWorker:
         self._registered: list[int] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
+        # The batched put of staged blocks, and what must follow it, in a thread of its own
+        # at a lower priority (``LayerwiseOffloadConfig.flush_nice``).
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-flush",
+                                           initializer=lower_thread_priority,
+                                           initargs=(flush_nice,))
         # Removals run in the background (they may wait out a store read lease) but never
         # land after a later save of the same key (poisoned_keys.py).
         self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys))
@@ -337,7 +357,7 @@ class LayerwiseWorker:
         self._meta = None
         if self._staged.keys:
             batch, self._staged = self._staged, StagedBatch()
-            self._flush = self._saver.submit(self._put_staged, batch)
+            self._flush = self._flusher.submit(self._put_staged, batch)
             self._flush_started = time.monotonic()
             self._flush_overdue_logged = False
             PENDING_PUTS.add(self.store, self._flush)
@@ -424,13 +444,14 @@ class LayerwiseWorker:
             if self._flush is not None and not self._flush.done():
                 # After the staged put of these keys: removing first would leave them stored
                 # (and the put's begin_save would cancel a removal not yet started).
-                self._saver.submit(self.poisoned.remove_later, keys)
+                self._flusher.submit(self.poisoned.remove_later, keys)
             else:
                 self.poisoned.remove_later(keys)
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True, cancel_futures=True)
+        self._flusher.shutdown(wait=True, cancel_futures=True)
         self.poisoned.close()
         for pointer in self._registered:
             try:
