@@ -24,21 +24,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import multiprocessing
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from e2e_layerwise import ENGINE_ENV, OMP_BINDINGS, STORE_SEGMENT_BYTES, peer_transfer
+from e2e_layerwise import (
+    ENGINE_ENV,
+    OMP_BINDINGS,
+    kvo_transfer,
+    peer_transfer,
+    run_in_netns,
+    tiny_llama,
+)
+from e2e_layerwise import (
+    Engine as LayerwiseBenchEngine,
+)
 
-TOOLS = Path(__file__).resolve().parent.parent
 BYPASSED_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
 """Worker hooks that return at once while the connector is bypassed."""
 
@@ -128,37 +134,17 @@ def engine_process(channel: Connection, model: str, max_len: int, transfer: dict
             return
 
 
-class Engine:
-    """Parent-side handle of one engine process."""
+class Engine(LayerwiseBenchEngine):
+    """Parent-side handle of one engine process (``engine_process`` above)."""
 
-    def __init__(self, name: str, model: Path, max_len: int, transfer: dict[str, Any],
-                 env: dict[str, str]) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.name = name
-        self.channel, child = context.Pipe()
-        self.process = context.Process(target=engine_process, name=f"kvo-cost-{name}",
-                                       args=(child, str(model), max_len, transfer, env))
-        self.process.start()
-
-    def wait_ready(self) -> None:
-        if self.channel.recv() != "ready":
-            raise RuntimeError(f"the {self.name} engine did not start")
+    def __init__(self, name: str, model: Path, max_len: int, omp_bind: str,
+                 transfer: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        super().__init__(name, model, max_len, omp_bind, transfer, env, target=engine_process)
 
     def ttft(self, prompt: list[int], bypassed: bool) -> float:
-        self.channel.send(("ttft", prompt, bypassed))
-        result = self.channel.recv()
+        result = self.ask("ttft", prompt, bypassed)
         assert isinstance(result, float)
         return result
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.channel.send(("stop",))
-                self.channel.recv()
-            finally:
-                self.process.join(timeout=60)
-        if self.process.is_alive():
-            self.process.terminate()
 
 
 # -- measurement ---------------------------------------------------------------------------
@@ -200,30 +186,18 @@ def measure(engines: list[Engine], lengths: list[int], pairs: int, settle_s: flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(TOOLS))
-    from models.tiny_llama import build_tiny_llama
-
     from kvo_transport.mooncake_master import MooncakeMaster
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = build_tiny_llama(args.model_dir or Path(tempfile.gettempdir()) / "kvo-tiny-llama-8",
-                             num_layers=8)
+    model = tiny_llama(args.model_dir)
     max_len = max(args.lengths) + 64
     omp = OMP_BINDINGS[args.omp_bind]
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster())
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        kvo_transfer = {
-            "kv_connector": "LayerwiseStoreConnector",
-            "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store_master_address": master.address,
-                "store_segment_bytes": STORE_SEGMENT_BYTES,
-                "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
         peer, peer_env = peer_transfer(workdir, master.address)
         print("starting the kvo and MooncakeStoreConnector engines ...", flush=True)
-        engines = [Engine("kvo", model, max_len, kvo_transfer, dict(omp)),
-                   Engine("peer", model, max_len, peer, {**omp, **peer_env})]
+        engines = [Engine("kvo", model, max_len, args.omp_bind, kvo_transfer(master.address)),
+                   Engine("peer", model, max_len, args.omp_bind, peer, peer_env)]
         try:
             for engine in engines:
                 engine.wait_ready()
@@ -264,19 +238,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if os.environ.get("KVO_IN_NETNS") != "1":
-        print("connector_cost starts Mooncake, which listens on every interface: run it inside "
-              "a loopback-only network namespace (nox -s bench -- connector_cost does this)",
-              file=sys.stderr)
-        return 2
-    report = run(args)
-    print_table(report)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return run_in_netns("connector_cost", parse_args(argv), run, print_table)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -169,12 +170,16 @@ class Engine:
     """Parent-side handle of one engine process."""
 
     def __init__(self, name: str, model: Path, max_len: int, omp_bind: str,
-                 transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> None:
+                 transfer: dict[str, Any] | None, env: dict[str, str] | None = None, *,
+                 target: Callable[..., None] | None = None) -> None:
+        """``target``: the engine process's loop (default ``engine_process``; it takes the
+        same arguments)."""
         context = multiprocessing.get_context("spawn")
         self.name = name
         self.channel, child = context.Pipe()
         engine_env = {**OMP_BINDINGS[omp_bind], **(env or {})}
-        self.process = context.Process(target=engine_process, name=f"kvo-bench-{name}",
+        self.process = context.Process(target=target or engine_process,
+                                       name=f"kvo-bench-{name}",
                                        args=(child, str(model), max_len, transfer, engine_env))
         self.process.start()
 
@@ -267,15 +272,33 @@ def peer_transfer(workdir: Path, master_address: str) -> tuple[dict[str, Any], d
             {"MOONCAKE_CONFIG_PATH": str(config)})
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def tiny_llama(model_dir: Path | None) -> Path:
+    """The 8-layer tiny random Llama both layerwise benchmarks serve (built once, reused)."""
     sys.path.insert(0, str(TOOLS))
     from models.tiny_llama import build_tiny_llama
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path: Path = build_tiny_llama(
+        model_dir or Path(tempfile.gettempdir()) / "kvo-tiny-llama-8", num_layers=8)
+    return path
+
+
+def kvo_transfer(master_address: str) -> dict[str, Any]:
+    """kvo's LayerwiseStoreConnector as the benchmarks run it: 8 layers in 3 buffers, save
+    staging on (its default, 64 MiB)."""
+    return {
+        "kv_connector": "LayerwiseStoreConnector",
+        "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store_master_address": master_address,
+            "store_segment_bytes": STORE_SEGMENT_BYTES,
+            "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvo_transport.mooncake_master import MooncakeMaster
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = build_tiny_llama(args.model_dir or Path(tempfile.gettempdir()) / "kvo-tiny-llama-8",
-                             num_layers=8)
+    model = tiny_llama(args.model_dir)
     max_len = max(args.lengths) + 64
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster())
@@ -283,14 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # so it never finds the staged engine's saves of a prompt (no prefix hits).
         direct_master = stack.enter_context(MooncakeMaster()) if args.direct else None
         workdir = stack.enter_context(tempfile.TemporaryDirectory())
-        transfer = {
-            "kv_connector": "LayerwiseStoreConnector",
-            "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store_master_address": master.address,
-                "store_segment_bytes": STORE_SEGMENT_BYTES,
-                # save staging on: its default, 64 MiB
-                "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
+        transfer = kvo_transfer(master.address)
         names = "plain, layerwise" + ("" if args.no_peer else " and MooncakeStoreConnector")
         rng = random.Random(0)  # one stream: no prompt repeats across sessions (no store hits)
         samples: Samples = {}
@@ -404,12 +420,19 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run_in_netns("e2e_layerwise", parse_args(argv), run, print_table)
+
+
+def run_in_netns(name: str, args: argparse.Namespace,
+                 run: Callable[[argparse.Namespace], dict[str, Any]],
+                 print_table: Callable[[dict[str, Any]], None]) -> int:
+    """A Mooncake benchmark's main: refuse outside a loopback-only namespace, run, print the
+    table, write ``--json``."""
     if os.environ.get("KVO_IN_NETNS") != "1":
-        print("e2e_layerwise starts Mooncake, which listens on every interface: run it inside a "
-              "loopback-only network namespace, e.g.\n  unshare -n sh -c 'ip link set lo up; "
-              "KVO_IN_NETNS=1 python tools/bench/e2e_layerwise.py --quick'\n"
-              "(nox -s bench -- e2e_layerwise does this)", file=sys.stderr)
+        print(f"{name} starts Mooncake, which listens on every interface: run it inside a "
+              f"loopback-only network namespace, e.g.\n  unshare -n sh -c 'ip link set lo up; "
+              f"KVO_IN_NETNS=1 python tools/bench/{name}.py'\n"
+              f"(nox -s bench -- {name} does this)", file=sys.stderr)
         return 2
     report = run(args)
     print_table(report)

@@ -703,15 +703,7 @@ class LayerwiseWorker:
         if not copied:
             self._poison(keys)
             return
-        staged = self._staged
-        staged.keys += keys
-        staged.addrs += addrs
-        staged.sizes += sizes
-        staged.blocks += len(refs)
-        for cache in buffer.parts:
-            staged.bytes_by_part[cache.planned.part] = (
-                staged.bytes_by_part.get(cache.planned.part, 0)
-                + len(refs) * cache.planned.block_bytes)
+        self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
         with self._stats_lock:
             self.stats.staged_bytes += sum(sizes)
             self.stats.stage_seconds += time.perf_counter() - started
@@ -724,18 +716,23 @@ class LayerwiseWorker:
             self.gates.mark_done(buffer.slot, part)
             return
         keys, addrs, sizes = buffer.transfers(self._save_keys(buffer, refs), refs)
+        self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
+        self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
+        with self._stats_lock:
+            self.stats.held_bytes += sum(sizes)
+
+    def _add_to_batch(self, buffer: _Buffer, blocks: int, keys: list[str], addrs: list[int],
+                      sizes: list[int]) -> None:
+        """Append ``blocks`` blocks of the layer (every part) to the step's batched put."""
         staged = self._staged
         staged.keys += keys
         staged.addrs += addrs
         staged.sizes += sizes
-        staged.blocks += len(refs)
-        staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
+        staged.blocks += blocks
         for cache in buffer.parts:
             staged.bytes_by_part[cache.planned.part] = (
                 staged.bytes_by_part.get(cache.planned.part, 0)
-                + len(refs) * cache.planned.block_bytes)
-        with self._stats_lock:
-            self.stats.held_bytes += sum(sizes)
+                + blocks * cache.planned.block_bytes)
 
     def _release_held(self, batch: StagedBatch) -> list[str]:
         """End the rounds of the buffers the put read directly; the keys of those given up on
