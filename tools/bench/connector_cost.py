@@ -96,6 +96,17 @@ def install_bypass(connector_class: type) -> None:
     connector_class.get_num_new_matched_tokens = no_hit
 
 
+def release_skipped_saves(scheduler: Any, before: set[int]) -> None:
+    """The peer's scheduler pins a request's blocks until its worker reports the store job
+    done; a bypassed worker never runs the job, so the pins of jobs made while bypassed are
+    dropped here as a finished job's are (else they pile up until the KV cache is full and
+    the engine waits for blocks for ever)."""
+    pool = scheduler._gpu_block_pool
+    for job in set(scheduler._pinned_saves) - before:
+        block_ids, _ = scheduler._pinned_saves.pop(job)
+        pool.free_blocks(pool.blocks[block] for block in reversed(block_ids))
+
+
 def engine_process(channel: Connection, model: str, max_len: int, transfer: dict[str, Any],
                    env: dict[str, str]) -> None:
     """Start one engine, then answer ("ttft", token ids, bypassed) / ("stop",)."""
@@ -120,14 +131,20 @@ def engine_process(channel: Connection, model: str, max_len: int, transfer: dict
               max_num_batched_tokens=max_len, seed=0,
               kv_transfer_config=KVTransferConfig(**transfer))
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    peer_scheduler = (None if transfer["kv_connector"] == "LayerwiseStoreConnector"
+                      else llm.llm_engine.engine_core.engine_core.scheduler.connector
+                      .connector_scheduler)
     channel.send("ready")
     while True:
         command = channel.recv()
         if command[0] == "ttft":
             Bypass.on = command[2]
+            pinned = set() if peer_scheduler is None else set(peer_scheduler._pinned_saves)
             started = time.perf_counter()
             llm.generate([{"prompt_token_ids": command[1]}], params, use_tqdm=False)
             channel.send(time.perf_counter() - started)
+            if Bypass.on and peer_scheduler is not None:
+                release_skipped_saves(peer_scheduler, pinned)
         else:
             llm.llm_engine.engine_core.shutdown()
             channel.send("stopped")
