@@ -191,13 +191,11 @@ class _Buffer:
         """``keys`` from the blocks' ``StoreKeys.block_prefix``es (the per-layer save path)."""
         return [prefix + suffix for suffix in self.suffixes for prefix in prefixes]
 
-    def transfers(self, keys: list[str], refs: list[BlockRef]) -> tuple[list[str], list[int],
-                                                                       list[int]]:
-        """(keys, addresses, sizes) of ``refs`` in every part, part by part; ``keys`` are
-        theirs."""
+    def locations(self, refs: list[BlockRef]) -> tuple[list[int], list[int]]:
+        """(addresses, sizes) of ``refs`` in every part, part by part (the order of ``keys``)."""
         addresses = [part.address(ref.block_id) for part in self.parts for ref in refs]
         sizes = [part.planned.block_bytes for part in self.parts for _ in refs]
-        return keys, addresses, sizes
+        return addresses, sizes
 
 
 class LayerwiseWorker:
@@ -319,10 +317,9 @@ class LayerwiseWorker:
         """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
         if layer_name in self._ready or not self._active() or layer_name not in self._position:
             return
-        if layer_name not in self._ready:
-            raise PipelineError(
-                f"layer {layer_name!r} reached attention before its buffer was made ready; "
-                f"start_load_kv must run before the forward (vLLM hook order changed?)")
+        raise PipelineError(
+            f"layer {layer_name!r} reached attention before its buffer was made ready; "
+            f"start_load_kv must run before the forward (vLLM hook order changed?)")
 
     def after_attention(self, layer_name: str) -> None:
         """``save_kv_layer``: save this layer, then ready the next one."""
@@ -576,7 +573,8 @@ class LayerwiseWorker:
             return []
         started = time.perf_counter()
         layer = buffer.layer.index
-        keys, addrs, sizes = buffer.transfers(buffer.keys(self.keys, refs), refs)
+        keys = buffer.keys(self.keys, refs)
+        addrs, sizes = buffer.locations(refs)
         # Two requests with one prefix load the same key into two device blocks. Each key is
         # read from the store once (a batched get does not fill two destinations of one key:
         # measured with Mooncake) and copied to its other blocks on the device.
@@ -715,7 +713,8 @@ class LayerwiseWorker:
         if not refs:
             self.gates.mark_done(buffer.slot, part)
             return
-        keys, addrs, sizes = buffer.transfers(self._save_keys(buffer, refs), refs)
+        keys = self._save_keys(buffer, refs)
+        addrs, sizes = buffer.locations(refs)
         self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
         self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
         with self._stats_lock:
@@ -792,7 +791,8 @@ class LayerwiseWorker:
 
     def _put_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         started = time.perf_counter()
-        keys, addrs, sizes = buffer.transfers(self._save_keys(buffer, refs), refs)
+        keys = self._save_keys(buffer, refs)
+        addrs, sizes = buffer.locations(refs)
         try:
             ticket = self.poisoned.begin_save(keys, self.layer_deadline_s)
         except RemovalStillRunningError as error:
