@@ -71,6 +71,24 @@ def test_a_fresh_slot_is_open() -> None:
     assert gates.error(KEY) is None
 
 
+def test_a_slot_is_quiet_only_when_open_and_nothing_is_announced() -> None:
+    gates = SlotGates()
+    other = (0x7F00_0000_3000,)
+    assert gates.is_quiet(KEY)  # never closed
+    gates.close(KEY, ["save"])
+    assert not gates.is_quiet(KEY)  # busy
+    gates.mark_done(KEY, "save")
+    assert gates.is_quiet(KEY)
+    gates.announce(other, "remote:1")  # an announcement on any slot: not quiet
+    assert not gates.is_quiet(KEY)
+    gates.close(other, [], take_announced=True)
+    gates.mark_done(other, "remote:1")
+    assert gates.is_quiet(KEY) and gates.is_quiet(other)
+    gates.close(KEY, ["save"])
+    gates.mark_failed(KEY, "save", "store full")
+    assert not gates.is_quiet(KEY)  # a failed round: the next user must close a fresh one
+
+
 def test_waiters_are_released_when_every_part_is_done() -> None:
     gates = SlotGates()
     gates.close(KEY, ["save", "read:d0", "read:d1"])

@@ -212,6 +212,47 @@ def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(staged, c
     PENDING_PUTS.wait(store, 5.0)
 
 
+def test_a_staged_layer_nothing_else_reads_opens_no_slot_round(staged) -> None:
+    """The copy ends before the save hook returns, so a staged layer with no announced
+    reader closes no round: only the held layers (the last of each buffer) do."""
+    worker, store, caches = staged
+    closed: list[tuple[int, ...]] = []
+    close = worker.gates.close
+    worker.gates.close = lambda key, parts, **kw: (  # type: ignore[method-assign]
+        closed.append(key), close(key, parts, **kw))[1]
+    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
+    worker.wait_staged_puts()
+    assert sorted(closed) == sorted(worker.slot_key(NAMES[i]) for i in (0, 4, 5))
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 100.0 + layer)
+
+
+def test_a_staged_layer_with_an_announced_reader_holds_its_slot_until_the_read(staged) -> None:
+    """A composing connector's read of a staged layer (announced before the save) keeps
+    the buffer from its next layer until the read reports."""
+    worker, store, caches = staged
+    slot = worker.slot_key(NAMES[1])  # layer 3 reuses it
+    part = "remote:1"
+
+    def announce_read(layer_name: str) -> None:
+        if layer_name == NAMES[1]:
+            worker.gates.announce(slot, part)
+
+    seen: dict[str, torch.Tensor] = {}
+    step = threading.Thread(target=forward, args=(
+        worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0}, seen, announce_read))
+    step.start()
+    step.join(0.3)
+    assert step.is_alive() and NAMES[3] not in seen  # waiting for the read of layer 1
+    assert worker.gates.pending(slot) == {part}
+    worker.gates.mark_done(slot, part)
+    step.join(5)
+    assert not step.is_alive()
+    worker.wait_staged_puts()
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b1", layer)) == 100.0 + layer)
+
+
 def test_the_gather_copies_blocks_in_the_order_asked_and_refuses_what_does_not_fit() -> None:
     from kvo_vllm.layerwise.staging import SaveStaging, block_rows, block_runs
 

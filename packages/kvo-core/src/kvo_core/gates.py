@@ -392,6 +392,20 @@ class SlotGates:
             self._pumping_thread = None
             self._changed.notify_all()  # another waiter may take over the pump
 
+    def is_quiet(self, key: SlotKey) -> bool:
+        """True when the slot is open (its round ended well, or it was never closed) and no
+        part is announced on any slot.
+
+        Then a round the caller would close on ``key`` with parts of its own only, and end
+        itself before anything else can use the slot, changes nothing a waiter can see; the
+        caller may skip it. Read without the lock: an open round stays open until the next
+        ``close``, and the caller is the only thread that closes the slot or announces on it
+        (else the answer may be stale by the time it is used)."""
+        if self._announced:
+            return False
+        current = self._rounds.get(_check_key(key))
+        return current is None or (not current.pending and current.error is None)
+
     def is_open(self, key: SlotKey) -> bool:
         """True when the slot may be overwritten: never closed, or every part reported ok."""
         key = _check_key(key)

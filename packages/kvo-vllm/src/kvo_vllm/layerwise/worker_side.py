@@ -8,8 +8,9 @@ buffer must be ready (its slot released by the previous occupant's save, its con
 before its predecessor in the forward returns. Hence:
 
 - ``start_step`` (from ``start_load_kv``, run before the forward) readies the first layer;
-- ``after_attention(L)`` (from ``save_kv_layer``) closes L's slot gate until L's save is done,
-  saves L (a copy to the staging area, or a put submitted to the saver), then readies layer
+- ``after_attention(L)`` (from ``save_kv_layer``) closes L's slot gate until L's save is done
+  (not for a copy to the staging area that nothing else waits for: it ends before the
+  method returns), saves L (that copy, or a put submitted to the saver), then readies layer
   L+1 (already prefetched in the background when ``prefetch_depth`` > 0) and starts
   prefetching the next ones;
 - readying a layer = wait on its slot gate (the previous occupant's save), then load the
@@ -62,6 +63,7 @@ from kvo_vllm.layerwise.staging import (
     SaveStaging,
     StagedBatch,
     block_rows,
+    block_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,6 +178,9 @@ class _Buffer:
     suffixes: tuple[str, ...]
     """Key endings of this layer's parts, in part order (``keys.layer_suffix``)."""
 
+    block_bytes: int
+    """One block's bytes in all parts together."""
+
     @property
     def tensor(self) -> torch.Tensor:
         """The main KV cache."""
@@ -196,6 +201,17 @@ class _Buffer:
         addresses = [part.address(ref.block_id) for part in self.parts for ref in refs]
         sizes = [part.planned.block_bytes for part in self.parts for _ in refs]
         return addresses, sizes
+
+
+@attrs.define
+class _StepCounts:
+    """Counters the forward's thread adds to during a step, folded into ``LayerwiseStats``
+    at its end (``finish_step``)."""
+
+    ready_wait_seconds: float = 0.0
+    staged_bytes: int = 0
+    stage_seconds: float = 0.0
+    held_bytes: int = 0
 
 
 class LayerwiseWorker:
@@ -241,6 +257,8 @@ class LayerwiseWorker:
         self._loads: dict[bool, list[BlockRef]] = {}
         self._saves: list[BlockRef] = []
         self._save_prefixes: list[str] = []
+        self._save_runs: list[tuple[int, int]] = []
+        self._step_counts = _StepCounts()
         self._pending_loads: dict[str, Future[list[int]]] = {}
         self._ready: set[str] = set()
         self._save_futures: list[Future[None]] = []
@@ -261,6 +279,7 @@ class LayerwiseWorker:
                           for part in layer.parts)
             self._buffers[layer.name] = _Buffer(
                 layer=layer, parts=parts, slot=(parts[0].pointer,),
+                block_bytes=sum(part.block_bytes for part in layer.parts),
                 suffixes=tuple(layer_suffix(layer.index, part.planned.part) for part in parts))
         last: dict[SlotKey, str] = {}
         for name in self._order:
@@ -306,6 +325,7 @@ class LayerwiseWorker:
         self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
         self._saves = meta.saves()
         self._save_prefixes = [self.keys.block_prefix(ref.name) for ref in self._saves]
+        self._save_runs = block_runs([ref.block_id for ref in self._saves])
         for request in meta.requests:
             names = {ref.name for ref in request.save if is_request_block(ref.name)}
             if names:
@@ -326,16 +346,13 @@ class LayerwiseWorker:
         if not self._active() or layer_name not in self._position:
             return
         buffer = self._buffers[layer_name]
-        part = f"{STORE_PART}:{self._step}:{buffer.layer.index}"
-        # Further consumers of the buffer (a composing connector's remote reads) announced
-        # their parts on the gates in this step; the round takes them with the save.
-        self.gates.close(buffer.slot, {part}, take_announced=True)
         saves = self._trusted_saves(buffer)
         if self.staging is not None and layer_name in self._last_of_buffer:
-            self._hold_layer(buffer, part, saves)
+            self._hold_layer(buffer, self._close_round(buffer), saves)
         elif (offset := self._staging_offset(buffer, saves)) is not None:
-            self._stage_layer(buffer, part, saves, offset)
+            self._stage_layer(buffer, saves, offset)
         else:
+            part = self._close_round(buffer)
             self._save_futures.append(self._saver.submit(self._put_layer, buffer, part, saves))
         position = self._position[layer_name] + 1
         if position < len(self._order):
@@ -352,6 +369,7 @@ class LayerwiseWorker:
                 self.stats.step_end_wait_seconds += time.perf_counter() - started
         self._save_futures = []
         self._meta = None
+        self._fold_step_counts()
         if self._staged.keys:
             batch, self._staged = self._staged, StagedBatch()
             self._flush = self._flusher.submit(self._put_staged, batch)
@@ -487,11 +505,10 @@ class LayerwiseWorker:
                 raise PipelineError(
                     f"layer {name!r} was not ready within {2 * self.layer_deadline_s:g} s "
                     f"(slot release or store load hung)") from error
-        waited = time.perf_counter() - started
-        with self._stats_lock:
-            self.stats.ready_wait_seconds += waited
-        self._load_errors.update(failed)
-        self._step_failed.update(failed)
+        self._step_counts.ready_wait_seconds += time.perf_counter() - started
+        if failed:
+            self._load_errors.update(failed)
+            self._step_failed.update(failed)
         self._ready.add(name)
 
     def _trusted_saves(self, buffer: _Buffer) -> list[BlockRef]:
@@ -661,17 +678,23 @@ class LayerwiseWorker:
         """Where the layer's save goes in the staging area; None: put it from the buffer."""
         if self.staging is None:
             return None
-        width = sum(cache.planned.block_bytes for cache in buffer.parts)
-        offset = self.staging.reserve(len(refs) * width)
+        offset = self.staging.reserve(len(refs) * buffer.block_bytes)
         if offset is None:
             with self._stats_lock:
                 self.stats.staging_fallbacks += 1
         return offset
 
-    def _stage_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef],
-                     offset: int) -> None:
-        """Copy the layer's blocks to the staging area and release the slot; the put follows
-        after the forward (``_put_staged``).
+    def _stage_layer(self, buffer: _Buffer, refs: list[BlockRef], offset: int) -> None:
+        """Copy the layer's blocks to the staging area; the put follows after the forward
+        (``_put_staged``).
+
+        The copy is over before this returns, and no load into the slot is submitted before
+        then (``_prefetch_from`` runs after the save, and never reaches a slot still in use:
+        ``prefetch_depth`` < shared buffers). So when nothing else reads the buffer (no part
+        announced, ``SlotGates.is_quiet``) the slot needs no round of its own: closing one
+        and ending it right after the copy cost two lock round trips per layer (~15-20 us
+        each inside the forward, 2 CPUs). Otherwise the round holds the slot for the
+        announced readers too, and a reader's early failure is seen by the next user.
 
         Runs on the forward's thread: the copy is a memmove of the step's new blocks (a few
         MiB, GIL released), and handing it to another thread cost more than it saved. That
@@ -681,30 +704,52 @@ class LayerwiseWorker:
         """
         assert self.staging is not None
         started = time.perf_counter()
+        part = None if self.gates.is_quiet(buffer.slot) else self._close_round(buffer)
         keys = self._save_keys(buffer, refs)
-        block_ids = [ref.block_id for ref in refs]
+        runs = self._save_runs if refs is self._saves else block_runs(
+            [ref.block_id for ref in refs])
+        count = len(refs)
         addrs: list[int] = []
         sizes: list[int] = []
         try:
             for cache in buffer.parts:
-                first = self.staging.gather(cache.rows, block_ids, offset)
+                first = self.staging.gather_runs(cache.rows, runs, offset)
                 width = cache.planned.block_bytes
-                addrs += [first + i * width for i in range(len(refs))]
-                sizes += [width] * len(refs)
-                offset += len(refs) * width
+                addrs += range(first, first + count * width, width)
+                sizes += [width] * count
+                offset += count * width
             # False: the slot was given up on (deadline) and may have been overwritten
             # mid-copy.
-            copied = self.gates.mark_done(buffer.slot, part)
+            copied = part is None or self.gates.mark_done(buffer.slot, part)
         except Exception as error:
-            self._fail_save(buffer, part, keys, len(refs), error)
+            self._fail_save(buffer, part, keys, count, error)
             return
         if not copied:
             self._poison(keys)
             return
-        self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
+        self._add_to_batch(buffer, count, keys, addrs, sizes)
+        counts = self._step_counts
+        counts.staged_bytes += count * buffer.block_bytes
+        counts.stage_seconds += time.perf_counter() - started
+
+    def _close_round(self, buffer: _Buffer) -> str:
+        """Start the slot's round for this layer's save; the save's part name.
+
+        Further consumers of the buffer (a composing connector's remote reads) announced
+        their parts on the gates in this step; the round takes them with the save."""
+        part = f"{STORE_PART}:{self._step}:{buffer.layer.index}"
+        self.gates.close(buffer.slot, {part}, take_announced=True)
+        return part
+
+    def _fold_step_counts(self) -> None:
+        """Add the step's forward-thread counters to ``stats`` (one lock per step, not one
+        per layer)."""
+        counts, self._step_counts = self._step_counts, _StepCounts()
         with self._stats_lock:
-            self.stats.staged_bytes += sum(sizes)
-            self.stats.stage_seconds += time.perf_counter() - started
+            self.stats.ready_wait_seconds += counts.ready_wait_seconds
+            self.stats.staged_bytes += counts.staged_bytes
+            self.stats.stage_seconds += counts.stage_seconds
+            self.stats.held_bytes += counts.held_bytes
 
     def _hold_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
         """Add the layer's blocks to the step's batched put as they lie in its buffer, which
@@ -717,8 +762,7 @@ class LayerwiseWorker:
         addrs, sizes = buffer.locations(refs)
         self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
         self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
-        with self._stats_lock:
-            self.stats.held_bytes += sum(sizes)
+        self._step_counts.held_bytes += len(refs) * buffer.block_bytes
 
     def _add_to_batch(self, buffer: _Buffer, blocks: int, keys: list[str], addrs: list[int],
                       sizes: list[int]) -> None:
@@ -822,13 +866,16 @@ class LayerwiseWorker:
                                                + len(refs) * cache.planned.block_bytes)
             self.stats.save_seconds += time.perf_counter() - started
 
-    def _fail_save(self, buffer: _Buffer, part: str, keys: list[str], blocks: int,
+    def _fail_save(self, buffer: _Buffer, part: str | None, keys: list[str], blocks: int,
                    error: Exception) -> None:
+        """A save failed: its keys are poisoned, and its round (``part``; None: the save
+        had none) fails."""
         logger.error("kvo layerwise: saving layer %s failed: %s", buffer.layer.name, error)
         self._poison(keys)
         with self._stats_lock:
             self.stats.failed_saves += blocks
-        self.gates.mark_failed(buffer.slot, part, error)
+        if part is not None:
+            self.gates.mark_failed(buffer.slot, part, error)
 
     def _poison(self, keys: list[str]) -> None:
         self._step_poisoned = True
