@@ -271,6 +271,34 @@ def test_the_gather_copies_blocks_in_the_order_asked_and_refuses_what_does_not_f
         staging.gather(rows, [0, 1], 7 * 128)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_runs_are_copied_whole_by_either_copy(threads: int) -> None:
+    """Runs of at least ``PARALLEL_COPY_BYTES`` go through torch when the forward has several
+    threads, through memmove otherwise: the same bytes either way, next to short runs."""
+    from kvo_vllm.layerwise.staging import PARALLEL_COPY_BYTES, SaveStaging, block_rows
+
+    width = 64 << 10
+    blocks = 2 * PARALLEL_COPY_BYTES // width + 3
+    cache = torch.randn(blocks * width // 4)
+    rows = block_rows(cache, width)
+    staging = SaveStaging((blocks + 2) * width, min_bytes=width)
+    ids = [*range(1, blocks - 1), 0]  # one long run, then a lone block
+    staging.area.fill_(0xAB)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        address = staging.gather(rows, ids, width)
+    finally:
+        torch.set_num_threads(before)
+    assert address == staging.pointer + width
+    assert torch.equal(staging.area[width:width * (len(ids) + 1)].view(len(ids), width),
+                       rows[ids])
+    assert torch.all(staging.area[:width] == 0xAB)  # around the copy: untouched
+    assert torch.all(staging.area[width * (len(ids) + 1):] == 0xAB)
+    with pytest.raises(ValueError, match="does not fit"):
+        staging.gather(rows, ids, 4 * width)
+
+
 def test_vllms_pre_forward_hook_waits_for_the_put_that_reads_buffers_in_place(staged) -> None:
     """vLLM calls ``handle_preemptions`` before its copy-on-write block copies and zeroing,
     which write blocks before ``start_load_kv``: it must not return while a buffer is read."""

@@ -198,8 +198,17 @@ class _Buffer:
 
     def locations(self, refs: list[BlockRef]) -> tuple[list[int], list[int]]:
         """(addresses, sizes) of ``refs`` in every part, part by part (the order of ``keys``)."""
-        addresses = [part.address(ref.block_id) for part in self.parts for ref in refs]
-        sizes = [part.planned.block_bytes for part in self.parts for _ in refs]
+        ids = [ref.block_id for ref in refs]
+        addresses: list[int] = []
+        sizes: list[int] = []
+        if not ids:
+            return addresses, sizes
+        for part in self.parts:
+            part.address(min(ids))  # every id is inside the cache if both ends are
+            part.address(max(ids))
+            width = part.planned.block_bytes
+            addresses += [part.pointer + block * width for block in ids]
+            sizes += [width] * len(ids)
         return addresses, sizes
 
 
@@ -237,6 +246,8 @@ class LayerwiseWorker:
         self._order: list[str] = [layer.name for layer in layout.layers]
         self._position = {name: i for i, name in enumerate(self._order)}
         self._last_of_buffer: frozenset[str] = frozenset()
+        self._held_layers: frozenset[str] = frozenset()
+        """The layers a step's batched put reads in place (``_last_of_buffer``, with staging)."""
         self._registered: list[int] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
@@ -255,6 +266,7 @@ class LayerwiseWorker:
         self._step = 0
         self._meta: LayerwiseMetadata | None = None
         self._loads: dict[bool, list[BlockRef]] = {}
+        self._any_loads = False
         self._saves: list[BlockRef] = []
         self._save_prefixes: list[str] = []
         self._save_runs: list[tuple[int, int]] = []
@@ -292,6 +304,7 @@ class LayerwiseWorker:
             widest = max(sum(part.block_bytes for part in layer.parts)
                          for layer in self.layout.layers)
             self.staging = SaveStaging(self.staging_bytes, min_bytes=widest)
+            self._held_layers = self._last_of_buffer
             self.store.register(self.staging.pointer, self.staging.capacity)
             self._registered.append(self.staging.pointer)
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
@@ -323,6 +336,7 @@ class LayerwiseWorker:
         with self._stats_lock:
             self.stats.steps += 1
         self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
+        self._any_loads = bool(self._loads[True] or self._loads[False])
         self._saves = meta.saves()
         self._save_prefixes = [self.keys.block_prefix(ref.name) for ref in self._saves]
         self._save_runs = block_runs([ref.block_id for ref in self._saves])
@@ -330,7 +344,8 @@ class LayerwiseWorker:
             names = {ref.name for ref in request.save if is_request_block(ref.name)}
             if names:
                 self._request_blocks.setdefault(request.request_id, set()).update(names)
-        self._prefetch_from(0)
+        if self._any_loads:
+            self._prefetch_from(0)
         self._make_ready(0)
 
     def before_attention(self, layer_name: str) -> None:
@@ -346,8 +361,8 @@ class LayerwiseWorker:
         if not self._active() or layer_name not in self._position:
             return
         buffer = self._buffers[layer_name]
-        saves = self._trusted_saves(buffer)
-        if self.staging is not None and layer_name in self._last_of_buffer:
+        saves = self._trusted_saves(buffer) if self._step_failed else self._saves
+        if layer_name in self._held_layers:
             self._hold_layer(buffer, self._close_round(buffer), saves)
         elif (offset := self._staging_offset(buffer, saves)) is not None:
             self._stage_layer(buffer, saves, offset)
@@ -356,7 +371,8 @@ class LayerwiseWorker:
             self._save_futures.append(self._saver.submit(self._put_layer, buffer, part, saves))
         position = self._position[layer_name] + 1
         if position < len(self._order):
-            self._prefetch_from(position)
+            if self._any_loads:
+                self._prefetch_from(position)
             self._make_ready(position)
 
     def finish_step(self) -> None:
