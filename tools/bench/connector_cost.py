@@ -8,11 +8,14 @@ alternate, in a random order per pair, between the connector at work and the con
 on fresh prompts, after a pause each (``--settle-ms``). The cost is the median of the paired
 differences (with - without), so process-to-process speed drops out.
 
-Two engines, both alive, taking turns: kvo's ``LayerwiseStoreConnector`` (8 layers in 3
-buffers, save staging on) and vLLM's own ``MooncakeStoreConnector`` as shipped (the peer of
-``e2e_layerwise``), on one Mooncake master. The bypass is this benchmark's own patch of each
-connector class in its engine process (a measuring device, on no production path). Both engines
-bind their OpenMP threads as in ``e2e_layerwise`` (``--omp-bind``).
+Engines, all alive, taking turns: kvo's ``LayerwiseStoreConnector`` (8 layers in 3 buffers,
+save staging on: ``kvo``), kvo with a buffer per layer (``kvo-own``: the device memory of a
+connector that shares no buffers, so nothing is copied; ``--kvo-plans`` picks them) and vLLM's
+own ``MooncakeStoreConnector`` as shipped (the peer of ``e2e_layerwise``), on one Mooncake
+master. A second table splits each connector's time on the engine's thread by call. The bypass
+and the call timers are this benchmark's own patches of each connector class in its engine
+process (measuring devices, on no production path). The engines bind their OpenMP threads as
+in ``e2e_layerwise`` (``--omp-bind``).
 
 Starts Mooncake, so it runs inside a loopback-only network namespace
 (``nox -s bench -- connector_cost`` does that); by hand::
@@ -70,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with/without pairs per engine and length (default 30)")
     parser.add_argument("--settle-ms", type=float, default=100.0,
                         help="pause before each timed request (default 100)")
+    parser.add_argument("--kvo-plans", nargs="+", choices=list(KVO_PLANS),
+                        default=list(KVO_PLANS),
+                        help="kvo engines to run beside the peer (default: both)")
     parser.add_argument("--omp-bind", choices=sorted(OMP_BINDINGS), default="cores",
                         help="OpenMP thread binding of both engines (see e2e_layerwise)")
     parser.add_argument("--model-dir", type=Path, help="where to build/reuse the tiny model")
@@ -106,6 +112,10 @@ def install_bypass(connector_class: type) -> None:
         return (0, False) if Bypass.on else lookup(self, *args, **kwargs)
 
     connector_class.get_num_new_matched_tokens = no_hit
+
+
+KVO_PLANS = {"kvo": False, "kvo-own": True}
+"""kvo engines by name: whether every layer has a buffer of its own (``kvo_transfer``)."""
 
 
 class HookClock:
@@ -241,10 +251,13 @@ def measure(engines: list[Engine], lengths: list[int], pairs: int, settle_s: flo
                                                                   strict=True)),
                 "hook_s": median_hook_seconds(hook_s[name]),
                 "samples_with_s": with_s, "samples_without_s": without_s}
-        kvo, peer = row["kvo"]["cost_s"], row["peer"]["cost_s"]
-        row["kvo_cost_over_peer_cost"] = kvo / peer if peer > 0 else None
-        print(f"  {length} tokens: kvo costs {kvo * 1000:.2f} ms, the peer "
-              f"{peer * 1000:.2f} ms", flush=True)
+        peer = row["peer"]["cost_s"]
+        for name in timed:
+            if name != "peer":
+                row[name]["cost_over_peer_cost"] = (row[name]["cost_s"] / peer if peer > 0
+                                                    else None)
+        print(f"  {length} tokens: " + ", ".join(
+            f"{name} costs {row[name]['cost_s'] * 1000:.2f} ms" for name in timed), flush=True)
         rows.append(row)
     return rows
 
@@ -268,8 +281,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         peer, peer_env = peer_transfer(workdir, master.address)
         print("starting the kvo and MooncakeStoreConnector engines ...", flush=True)
-        engines = [Engine("kvo", model, max_len, args.omp_bind, kvo_transfer(master.address)),
-                   Engine("peer", model, max_len, args.omp_bind, peer, peer_env)]
+        engines = [Engine(name, model, max_len, args.omp_bind,
+                          kvo_transfer(master.address, own_buffers=KVO_PLANS[name]))
+                   for name in args.kvo_plans]
+        engines.append(Engine("peer", model, max_len, args.omp_bind, peer, peer_env))
         try:
             for engine in engines:
                 engine.wait_ready()
@@ -282,26 +297,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "connector_cost", "model": "tiny random Llama, 8 layers, fp32",
         "pairs": args.pairs, "settle_ms": args.settle_ms, "omp_bind": args.omp_bind,
         "omp_env": omp, "cpus": os.cpu_count(),
-        "kvo": "LayerwiseStoreConnector (8 layers in 3 buffers, save staging on)",
-        "peer": "vLLM MooncakeStoreConnector (kv_both, tcp)",
+        "engines": {
+            "kvo": "LayerwiseStoreConnector (8 layers in 3 buffers, save staging on)",
+            "kvo-own": "LayerwiseStoreConnector (a buffer per layer, save staging on)",
+            "peer": "vLLM MooncakeStoreConnector (kv_both, tcp)"},
+        "kvo_plans": args.kvo_plans,
         "results": rows,
-        "kvo_at_or_below_peer": all(r["kvo"]["cost_s"] <= r["peer"]["cost_s"] for r in rows),
+        "at_or_below_peer": {name: all(r[name]["cost_s"] <= r["peer"]["cost_s"] for r in rows)
+                             for name in args.kvo_plans},
     }
 
 
 def print_table(report: dict[str, Any]) -> None:
     print()
-    print("| prompt tokens | kvo: TTFT with / without (ms) | kvo cost (ms) | "
-          "peer: TTFT with / without (ms) | peer cost (ms) | kvo cost / peer cost |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    names = [*report["kvo_plans"], "peer"]
+    print("| prompt tokens | connector | TTFT with / without (ms) | cost (ms) | "
+          "cost / peer cost |")
+    print("|---:|---|---:|---:|---:|")
     for row in report["results"]:
-        kvo, peer = row["kvo"], row["peer"]
-        ratio = row["kvo_cost_over_peer_cost"]
-        print(f"| {row['prompt_tokens']} | {kvo['ttft_with_s'] * 1000:.2f} / "
-              f"{kvo['ttft_without_s'] * 1000:.2f} | {kvo['cost_s'] * 1000:+.2f} | "
-              f"{peer['ttft_with_s'] * 1000:.2f} / {peer['ttft_without_s'] * 1000:.2f} | "
-              f"{peer['cost_s'] * 1000:+.2f} | "
-              f"{'n/a' if ratio is None else f'{ratio:.2f}'} |")
+        for name in names:
+            result = row[name]
+            ratio = result.get("cost_over_peer_cost")
+            print(f"| {row['prompt_tokens']} | {name} | {result['ttft_with_s'] * 1000:.2f} / "
+                  f"{result['ttft_without_s'] * 1000:.2f} | {result['cost_s'] * 1000:+.2f} | "
+                  f"{'' if name == 'peer' else 'n/a' if ratio is None else f'{ratio:.2f}'} |")
     print()
     print(f"cost = median of {report['pairs']} paired differences (with - without) in one "
           f"engine; OpenMP binding: {report['omp_bind']}")
@@ -312,13 +331,13 @@ def print_table(report: dict[str, Any]) -> None:
     print("| prompt tokens | connector | total | " + " | ".join(groups) + " |")
     print("|---:|---|---:|" + "---:|" * len(groups))
     for row in report["results"]:
-        for name in ("kvo", "peer"):
+        for name in names:
             hooks = row[name]["hook_s"]
             print(f"| {row['prompt_tokens']} | {name} | {hooks['total'] * 1000:.3f} | "
                   + " | ".join(f"{hooks[group] * 1000:.3f}" for group in groups) + " |")
     print()
-    verdict = "met" if report["kvo_at_or_below_peer"] else "MISSED"
-    print(f"kvo's cost <= the peer's at every length: {verdict}")
+    for name, met in report["at_or_below_peer"].items():
+        print(f"{name}'s cost <= the peer's at every length: {'met' if met else 'MISSED'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -283,16 +283,18 @@ def tiny_llama(model_dir: Path | None) -> Path:
     return path
 
 
-def kvo_transfer(master_address: str) -> dict[str, Any]:
+def kvo_transfer(master_address: str, *, own_buffers: bool = False) -> dict[str, Any]:
     """kvo's LayerwiseStoreConnector as the benchmarks run it: 8 layers in 3 buffers, save
-    staging on (its default, 64 MiB)."""
+    staging on (its default, 64 MiB). ``own_buffers``: every layer keeps a buffer of its own
+    (the device memory of a connector that does not share buffers)."""
+    layers = ({"independent_layers": "all"} if own_buffers
+              else {"shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1})
     return {
         "kv_connector": "LayerwiseStoreConnector",
         "kv_connector_module_path": "kvo_vllm.connectors", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "store_master_address": master_address,
-            "store_segment_bytes": STORE_SEGMENT_BYTES,
-            "shared_buffers": 2, "independent_layers": [0], "prefetch_depth": 1}}
+            "store_segment_bytes": STORE_SEGMENT_BYTES, **layers}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
