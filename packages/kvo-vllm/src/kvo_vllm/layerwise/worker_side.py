@@ -212,6 +212,17 @@ class _Buffer:
         return addresses, sizes
 
 
+@attrs.frozen
+class _DeferredSave:
+    """A layer's save whose keys and batch entries are built at the step's end
+    (``finish_step``), off the per-layer path."""
+
+    buffer: _Buffer
+    refs: list[BlockRef]
+    staged_at: int | None
+    """Offset of the layer's copy in the staging area; None: put in place from the buffer."""
+
+
 @attrs.define
 class _StepCounts:
     """Counters the forward's thread adds to during a step, folded into ``LayerwiseStats``
@@ -275,6 +286,7 @@ class LayerwiseWorker:
         self._ready: set[str] = set()
         self._save_futures: list[Future[None]] = []
         self._staged = StagedBatch()
+        self._deferred: list[_DeferredSave] = []
         self._flush: Future[bool] | None = None
         self._flush_started = 0.0
         self._flush_overdue_logged = False
@@ -363,7 +375,7 @@ class LayerwiseWorker:
         buffer = self._buffers[layer_name]
         saves = self._trusted_saves(buffer) if self._step_failed else self._saves
         if layer_name in self._held_layers:
-            self._hold_layer(buffer, self._close_round(buffer), saves)
+            self._hold_layer(buffer, saves)
         elif (offset := self._staging_offset(buffer, saves)) is not None:
             self._stage_layer(buffer, saves, offset)
         else:
@@ -384,6 +396,8 @@ class LayerwiseWorker:
             with self._stats_lock:
                 self.stats.step_end_wait_seconds += time.perf_counter() - started
         self._save_futures = []
+        if self._deferred:
+            self._batch_deferred()
         self._meta = None
         self._fold_step_counts()
         if self._staged.keys:
@@ -721,29 +735,24 @@ class LayerwiseWorker:
         assert self.staging is not None
         started = time.perf_counter()
         part = None if self.gates.is_quiet(buffer.slot) else self._close_round(buffer)
-        keys = self._save_keys(buffer, refs)
         runs = self._save_runs if refs is self._saves else block_runs(
             [ref.block_id for ref in refs])
         count = len(refs)
-        addrs: list[int] = []
-        sizes: list[int] = []
+        at = offset
         try:
             for cache in buffer.parts:
-                first = self.staging.gather_runs(cache.rows, runs, offset)
-                width = cache.planned.block_bytes
-                addrs += range(first, first + count * width, width)
-                sizes += [width] * count
-                offset += count * width
+                self.staging.gather_runs(cache.rows, runs, at)
+                at += count * cache.planned.block_bytes
             # False: the slot was given up on (deadline) and may have been overwritten
             # mid-copy.
             copied = part is None or self.gates.mark_done(buffer.slot, part)
         except Exception as error:
-            self._fail_save(buffer, part, keys, count, error)
+            self._fail_save(buffer, part, self._save_keys(buffer, refs), count, error)
             return
         if not copied:
-            self._poison(keys)
+            self._poison(self._save_keys(buffer, refs))
             return
-        self._add_to_batch(buffer, count, keys, addrs, sizes)
+        self._deferred.append(_DeferredSave(buffer=buffer, refs=refs, staged_at=offset))
         counts = self._step_counts
         counts.staged_bytes += count * buffer.block_bytes
         counts.stage_seconds += time.perf_counter() - started
@@ -767,18 +776,47 @@ class LayerwiseWorker:
             self.stats.stage_seconds += counts.stage_seconds
             self.stats.held_bytes += counts.held_bytes
 
-    def _hold_layer(self, buffer: _Buffer, part: str, refs: list[BlockRef]) -> None:
-        """Add the layer's blocks to the step's batched put as they lie in its buffer, which
-        no later layer of the step reuses; the slot's round ends when that put does
-        (``_release_held``). The forward pays for the keys only, not for a copy."""
-        if not refs:
-            self.gates.mark_done(buffer.slot, part)
-            return
-        keys = self._save_keys(buffer, refs)
-        addrs, sizes = buffer.locations(refs)
-        self._add_to_batch(buffer, len(refs), keys, addrs, sizes)
-        self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
-        self._step_counts.held_bytes += len(refs) * buffer.block_bytes
+    def _hold_layer(self, buffer: _Buffer, refs: list[BlockRef]) -> None:
+        """Put the layer's blocks as they lie in its buffer, which no later layer of the step
+        reuses: no copy, and nothing else now (``_batch_deferred`` adds them to the step's
+        batched put and closes the slot's round until that put ends)."""
+        if refs:
+            self._deferred.append(_DeferredSave(buffer=buffer, refs=refs, staged_at=None))
+        elif not self.gates.is_quiet(buffer.slot):
+            # Nothing to save, but announced readers (or a failed round to replace).
+            self.gates.mark_done(buffer.slot, self._close_round(buffer))
+
+    def _batch_deferred(self) -> None:
+        """Add the step's staged and held layers to its batched put, and close the held
+        buffers' rounds until the put ends (``_release_held``).
+
+        Done once at the step's end rather than in each layer's hook: inside the forward,
+        every Python call runs several times slower than in a loop (its caches are cold after
+        the layer's torch ops), and the keys of a layer are not needed before the put. A held
+        round closed now instead of at its layer changes nothing a waiter sees: no later
+        layer of the step uses that buffer, and the next step waits for the put before it
+        writes any buffer (``wait_staged_puts``). Parts announced on it in this step (a
+        composing connector's reads) are taken by the round as at its layer.
+        """
+        deferred, self._deferred = self._deferred, []
+        assert self.staging is not None
+        for save in deferred:
+            buffer, refs, count = save.buffer, save.refs, len(save.refs)
+            keys = self._save_keys(buffer, refs)
+            if save.staged_at is None:
+                addrs, sizes = buffer.locations(refs)
+                part = self._close_round(buffer)
+                self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
+                self._step_counts.held_bytes += count * buffer.block_bytes
+            else:
+                addrs, sizes = [], []
+                at = self.staging.pointer + save.staged_at
+                for cache in buffer.parts:
+                    width = cache.planned.block_bytes
+                    addrs += range(at, at + count * width, width)
+                    sizes += [width] * count
+                    at += count * width
+            self._add_to_batch(buffer, count, keys, addrs, sizes)
 
     def _add_to_batch(self, buffer: _Buffer, blocks: int, keys: list[str], addrs: list[int],
                       sizes: list[int]) -> None:
