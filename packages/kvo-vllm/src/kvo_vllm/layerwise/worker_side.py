@@ -21,7 +21,9 @@ before its predecessor in the forward returns. Hence:
   blocks to the saver as one batched put and returns, and the next step waits for that put
   before anything writes a buffer (``handle_preemptions``, then ``start_step``). The last
   layer of each buffer is not copied: the batched put reads it from the buffer, whose slot
-  stays closed until the put ends (nothing in the step overwrites it).
+  is closed at the step's end until the put ends (nothing in the step overwrites it). The
+  keys and addresses of staged and held layers are built at the step's end too, in one
+  loop, not in each layer's hook.
 
 A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
 times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
