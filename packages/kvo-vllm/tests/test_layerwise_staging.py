@@ -10,11 +10,21 @@ import threading
 
 import pytest
 import torch
-from test_layerwise_worker import KEYS, NAMES, SPEC, MemoryStore, forward, make_rig, step_meta
+from test_layerwise_worker import (
+    KEYS,
+    NAMES,
+    SPEC,
+    MemoryStore,
+    forward,
+    make_rig,
+    step_meta,
+    two_request_meta,
+)
 
 from kvo_core.errors import ConfigError
+from kvo_vllm.layerwise.metadata import BlockRef, RequestTransfers
 from kvo_vllm.layerwise.staging import PENDING_PUTS
-from kvo_vllm.layerwise.worker_side import LayerwiseWorker
+from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS, LayerwiseWorker
 
 PAGE = SPEC.page_size_bytes
 
@@ -337,3 +347,50 @@ def test_the_batched_put_runs_in_a_thread_of_the_configured_niceness(nice: int) 
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the engine's own thread keeps it
     finally:
         worker.close()
+
+
+def test_a_staged_step_with_a_failed_load_saves_only_what_its_requests_can_trust(staged) -> None:
+    """The staged twin of test_layerwise_worker's taint test: the saves of the request that
+    lost a load are dropped from that layer on (its keys poisoned), the other request's are
+    all put by the step's batched put, and the next clean step saves every layer again."""
+    worker, store, caches = staged
+    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}  # every try of layer 3 raises
+    tainted = RequestTransfers(request_id="r", load_shared_layers=(BlockRef(1, "b1"),),
+                               save=(BlockRef(1, "h/late"), BlockRef(2, "b2")))
+    healthy = RequestTransfers(request_id="s", save=(BlockRef(3, "c3"),))
+    forward(worker, caches, two_request_meta(tainted, healthy), {2: 200.0, 3: 300.0})
+    assert worker.take_load_errors() == {1}
+    worker.wait_staged_puts()
+    worker.poisoned.settle()
+    for name in ("h/late", "b2"):
+        assert {i for i in range(6) if KEYS.key(name, i) in store.values} == {0, 1, 2}, name
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("c3", layer)) == 300.0 + layer)
+    forward(worker, caches, step_meta(save=[(1, "h/late"), (2, "b2")]), {1: 1.0, 2: 2.0})
+    worker.wait_staged_puts()
+    assert worker.take_load_errors() == set()
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b2", layer)) == 2.0 + layer)
+
+
+def test_a_failed_remote_read_of_staged_layers_poisons_no_save(staged) -> None:
+    """Announced reads of every layer (as KvoMultiConnector's) that fail before their rounds
+    close: staged and held layers alike keep their saves, and the rounds show the failure."""
+    worker, store, caches = staged
+
+    def failing_remote_read(layer_name: str) -> None:
+        part = f"remote:{layer_name}"
+        slot = worker.slot_key(layer_name)
+        worker.gates.announce(slot, part)
+        worker.gates.mark_failed(slot, part, "decode failed to read")
+
+    forward(worker, caches, step_meta(save=[(2, "b2")]), {2: 2.0},
+            before_save=failing_remote_read)
+    held_round = worker.gates.error(worker.slot_key(NAMES[-1]))  # closed at the step's end
+    assert held_round is not None and "decode failed to read" in held_round
+    worker.wait_staged_puts()
+    worker.poisoned.settle()
+    for layer in range(6):
+        assert torch.all(stored_value(store, KEYS.key("b2", layer)) == 2.0 + layer)
+    assert worker.stats.poisoned_keys == 0
