@@ -89,6 +89,23 @@ def test_a_slot_is_quiet_only_when_open_and_nothing_is_announced() -> None:
     assert not gates.is_quiet(KEY)  # a failed round: the next user must close a fresh one
 
 
+def test_close_each_closes_several_slots_at_once_or_none() -> None:
+    gates = SlotGates()
+    other, third = (0x7F00_0000_3000,), (0x7F00_0000_4000,)
+    gates.announce(other, "remote:1")
+    gates.close_each([(KEY, "save:a"), (other, "save:b")], take_announced=True)
+    assert gates.pending(KEY) == {"save:a"}
+    assert gates.pending(other) == {"save:b", "remote:1"}  # its own announcement only
+    with pytest.raises(GateStateError, match="still busy"):
+        gates.close_each([(third, "save:c"), (KEY, "save:d")])
+    assert gates.is_open(third)  # nothing closed when one slot is busy
+    gates.mark_done(KEY, "save:a")
+    gates.close_each([(KEY, None)])  # no part of its own: open at once
+    assert gates.is_open(KEY)
+    with pytest.raises(TypeError, match="part name"):
+        gates.close_each([(third, "")])
+
+
 def test_waiters_are_released_when_every_part_is_done() -> None:
     gates = SlotGates()
     gates.close(KEY, ["save", "read:d0", "read:d1"])

@@ -227,9 +227,14 @@ def test_a_staged_layer_nothing_else_reads_opens_no_slot_round(staged) -> None:
     reader closes no round: only the held layers (the last of each buffer) do."""
     worker, store, caches = staged
     closed: list[tuple[int, ...]] = []
-    close = worker.gates.close
-    worker.gates.close = lambda key, parts, **kw: (  # type: ignore[method-assign]
-        closed.append(key), close(key, parts, **kw))[1]
+    close_each = worker.gates.close_each  # every close goes through it
+
+    def recording_close_each(rounds, **kw):
+        rounds = list(rounds)
+        closed.extend(key for key, _ in rounds)
+        return close_each(rounds, **kw)
+
+    worker.gates.close_each = recording_close_each  # type: ignore[method-assign]
     forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 100.0})
     worker.wait_staged_puts()
     assert sorted(closed) == sorted(worker.slot_key(NAMES[i]) for i in (0, 4, 5))

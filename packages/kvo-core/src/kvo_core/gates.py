@@ -207,23 +207,41 @@ class SlotGates:
     def close(self, key: SlotKey, parts: Iterable[str], *, take_announced: bool = False) -> None:
         """Mark the slot busy until every one of ``parts`` reports; with ``take_announced``
         also until every part announced on the slot in the current epoch reports."""
-        key = _check_key(key)
-        expected = frozenset(_check_part(p) for p in parts)
+        expected = [_check_part(part) for part in parts]
+        self.close_each([(key, part) for part in expected] or [(key, None)],
+                        take_announced=take_announced)
+
+    def close_each(self, rounds: Iterable[tuple[SlotKey, str | None]], *,
+                   take_announced: bool = False) -> None:
+        """``close`` several slots under one lock, each with its pairs' parts (None: no part
+        of its own); none is closed if one is still busy. A step's end closes the rounds of
+        every buffer its batched put reads like this."""
+        wanted: dict[SlotKey, set[str]] = {}
+        for key, part in rounds:
+            parts = wanted.setdefault(_check_key(key), set())
+            if part is not None:
+                parts.add(_check_part(part))
         with self._changed:
-            current = self._rounds.get(key)
-            if current is not None and not current.over:
-                raise GateStateError(
-                    f"slot {slot_name(key)} is still busy (waiting for "
-                    f"{_names(current.pending)}); wait for it before closing it again")
-            if take_announced and self._announced_epoch:
-                expected |= {part for (slot, part), epoch in self._announced_epoch.items()
-                             if slot == key and epoch == self._epoch}
-            current = self._rounds[key] = _Round(expected=expected, pending=set(expected))
-            for part in sorted(expected):
-                early = self._forget_announcement((key, part))
-                if early:  # reported before this round existed: apply the first report
-                    self._apply(key, current, part, early[0])
+            for key in wanted:
+                current = self._rounds.get(key)
+                if current is not None and not current.over:
+                    raise GateStateError(
+                        f"slot {slot_name(key)} is still busy (waiting for "
+                        f"{_names(current.pending)}); wait for it before closing it again")
+            for key, parts in wanted.items():
+                self._open_round(key, frozenset(parts), take_announced)
             self._changed.notify_all()
+
+    def _open_round(self, key: SlotKey, expected: frozenset[str], take_announced: bool) -> None:
+        """(lock held) Start the slot's next round (``close``)."""
+        if take_announced and self._announced_epoch:
+            expected |= {part for (slot, part), epoch in self._announced_epoch.items()
+                         if slot == key and epoch == self._epoch}
+        current = self._rounds[key] = _Round(expected=expected, pending=set(expected))
+        for part in sorted(expected):
+            early = self._forget_announcement((key, part))
+            if early:  # reported before this round existed: apply the first report
+                self._apply(key, current, part, early[0])
 
     def _forget_announcement(self, entry: tuple[SlotKey, str]) -> list[_Outcome] | None:
         """(lock held) Drop an announcement; its held reports, or None if there was none."""

@@ -764,9 +764,13 @@ class LayerwiseWorker:
 
         Further consumers of the buffer (a composing connector's remote reads) announced
         their parts on the gates in this step; the round takes them with the save."""
-        part = f"{STORE_PART}:{self._step}:{buffer.layer.index}"
+        part = self._save_part(buffer)
         self.gates.close(buffer.slot, {part}, take_announced=True)
         return part
+
+    def _save_part(self, buffer: _Buffer) -> str:
+        """The gate part of this step's save of the layer (unique per round)."""
+        return f"{STORE_PART}:{self._step}:{buffer.layer.index}"
 
     def _fold_step_counts(self) -> None:
         """Add the step's forward-thread counters to ``stats`` (one lock per step, not one
@@ -802,12 +806,14 @@ class LayerwiseWorker:
         """
         deferred, self._deferred = self._deferred, []
         assert self.staging is not None
+        held: list[tuple[SlotKey, str]] = []
         for save in deferred:
             buffer, refs, count = save.buffer, save.refs, len(save.refs)
             keys = self._save_keys(buffer, refs)
             if save.staged_at is None:
                 addrs, sizes = buffer.locations(refs)
-                part = self._close_round(buffer)
+                part = self._save_part(buffer)
+                held.append((buffer.slot, part))
                 self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
                 self._step_counts.held_bytes += count * buffer.block_bytes
             else:
@@ -819,6 +825,8 @@ class LayerwiseWorker:
                     sizes += [width] * count
                     at += count * width
             self._add_to_batch(buffer, count, keys, addrs, sizes)
+        if held:  # one lock round trip for every held buffer
+            self.gates.close_each(held, take_announced=True)
 
     def _add_to_batch(self, buffer: _Buffer, blocks: int, keys: list[str], addrs: list[int],
                       sizes: list[int]) -> None:
