@@ -18,13 +18,12 @@ from test_layerwise_worker import (
     forward,
     make_rig,
     step_meta,
-    two_request_meta,
+    step_with_a_failed_shared_load,
 )
 
 from kvo_core.errors import ConfigError
-from kvo_vllm.layerwise.metadata import BlockRef, RequestTransfers
 from kvo_vllm.layerwise.staging import PENDING_PUTS
-from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS, LayerwiseWorker
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker
 
 PAGE = SPEC.page_size_bytes
 
@@ -359,12 +358,7 @@ def test_a_staged_step_with_a_failed_load_saves_only_what_its_requests_can_trust
     lost a load are dropped from that layer on (its keys poisoned), the other request's are
     all put by the step's batched put, and the next clean step saves every layer again."""
     worker, store, caches = staged
-    forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
-    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}  # every try of layer 3 raises
-    tainted = RequestTransfers(request_id="r", load_shared_layers=(BlockRef(1, "b1"),),
-                               save=(BlockRef(1, "h/late"), BlockRef(2, "b2")))
-    healthy = RequestTransfers(request_id="s", save=(BlockRef(3, "c3"),))
-    forward(worker, caches, two_request_meta(tainted, healthy), {2: 200.0, 3: 300.0})
+    step_with_a_failed_shared_load(worker, store, caches)
     assert worker.take_load_errors() == {1}
     worker.wait_staged_puts()
     worker.poisoned.settle()

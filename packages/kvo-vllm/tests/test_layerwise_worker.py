@@ -252,15 +252,22 @@ def test_a_get_that_raises_is_retried_with_a_fresh_call(rig) -> None:
     assert worker.stats.failed_loads == 0
 
 
-def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> None:
-    worker, store, caches = rig
+def step_with_a_failed_shared_load(worker: LayerwiseWorker, store: MemoryStore, caches: dict,
+                                   seen: dict[str, torch.Tensor] | None = None) -> None:
+    """Two steps: b1 and b2 saved; then request r loads b1, whose layer 3 cannot be read
+    (every try raises), and saves h/late and b2 again, beside request s saving c3."""
     forward(worker, caches, step_meta(save=[(1, "b1"), (2, "b2")]), {1: 100.0, 2: 50.0})
-    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}  # every try of layer 3 raises
+    store.fail_gets = {KEYS.key("b1", 3): LOAD_ATTEMPTS}
     tainted = RequestTransfers(request_id="r", load_shared_layers=(BlockRef(1, "b1"),),
                                save=(BlockRef(1, "h/late"), BlockRef(2, "b2")))
     healthy = RequestTransfers(request_id="s", save=(BlockRef(3, "c3"),))
-    seen: dict[str, torch.Tensor] = {}
     forward(worker, caches, two_request_meta(tainted, healthy), {2: 200.0, 3: 300.0}, seen)
+
+
+def test_a_shared_layer_that_cannot_load_taints_only_its_requests_saves(rig) -> None:
+    worker, store, caches = rig
+    seen: dict[str, torch.Tensor] = {}
+    step_with_a_failed_shared_load(worker, store, caches, seen)
     # Layer 3 attended over layer 1's KV (its buffer's previous occupant), not its own ...
     assert torch.all(seen[NAMES[3]][1] == 101.0)
     # ... so vLLM is told, and drops and recomputes (or fails) request r ...
