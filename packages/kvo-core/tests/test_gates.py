@@ -99,9 +99,6 @@ def test_close_each_closes_several_slots_at_once_or_none() -> None:
     with pytest.raises(GateStateError, match="still busy"):
         gates.close_each([(third, "save:c"), (KEY, "save:d")])
     assert gates.is_open(third)  # nothing closed when one slot is busy
-    gates.mark_done(KEY, "save:a")
-    gates.close_each([(KEY, None)])  # no part of its own: open at once
-    assert gates.is_open(KEY)
     with pytest.raises(TypeError, match="part name"):
         gates.close_each([(third, "")])
 

@@ -275,21 +275,26 @@ def test_the_gather_copies_blocks_in_the_order_asked_and_refuses_what_does_not_f
     staging = SaveStaging(8 * 128, min_bytes=128)
     ids = [3, 4, 5, 9, 0, 1, 7]  # runs, a step back, a lone block
     assert block_runs(ids) == [(3, 3), (9, 1), (0, 2), (7, 1)]
-    address = staging.gather(rows, ids, 128)
+    address = staging.gather(rows, block_runs(ids), 128)
     assert address == staging.pointer + 128
     copied = staging.area[128:128 + 7 * 128].view(torch.float32).view(7, 4, 8)
     assert torch.equal(copied, cache[ids])
     with pytest.raises(IndexError, match="outside the cache's 10 blocks"):
-        staging.gather(rows, [9, 10], 0)
+        staging.gather(rows, block_runs([9, 10]), 0)
     with pytest.raises(ValueError, match="does not fit"):
-        staging.gather(rows, [0, 1], 7 * 128)
+        staging.gather(rows, block_runs([0, 1]), 7 * 128)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_runs_are_copied_whole_by_either_copy(threads: int) -> None:
     """Runs of at least ``PARALLEL_COPY_BYTES`` go through torch when the forward has several
     threads, through memmove otherwise: the same bytes either way, next to short runs."""
-    from kvo_vllm.layerwise.staging import PARALLEL_COPY_BYTES, SaveStaging, block_rows
+    from kvo_vllm.layerwise.staging import (
+        PARALLEL_COPY_BYTES,
+        SaveStaging,
+        block_rows,
+        block_runs,
+    )
 
     width = 64 << 10
     blocks = 2 * PARALLEL_COPY_BYTES // width + 3
@@ -301,7 +306,7 @@ def test_long_runs_are_copied_whole_by_either_copy(threads: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        address = staging.gather(rows, ids, width)
+        address = staging.gather(rows, block_runs(ids), width)
     finally:
         torch.set_num_threads(before)
     assert address == staging.pointer + width
@@ -310,7 +315,7 @@ def test_long_runs_are_copied_whole_by_either_copy(threads: int) -> None:
     assert torch.all(staging.area[:width] == 0xAB)  # around the copy: untouched
     assert torch.all(staging.area[width * (len(ids) + 1):] == 0xAB)
     with pytest.raises(ValueError, match="does not fit"):
-        staging.gather(rows, ids, 4 * width)
+        staging.gather(rows, block_runs(ids), 4 * width)
 
 
 def test_vllms_pre_forward_hook_waits_for_the_put_that_reads_buffers_in_place(staged) -> None:

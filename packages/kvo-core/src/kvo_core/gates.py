@@ -207,30 +207,35 @@ class SlotGates:
     def close(self, key: SlotKey, parts: Iterable[str], *, take_announced: bool = False) -> None:
         """Mark the slot busy until every one of ``parts`` reports; with ``take_announced``
         also until every part announced on the slot in the current epoch reports."""
-        expected = [_check_part(part) for part in parts]
-        self.close_each([(key, part) for part in expected] or [(key, None)],
-                        take_announced=take_announced)
+        key = _check_key(key)
+        expected = frozenset(_check_part(p) for p in parts)
+        with self._changed:
+            self._refuse_busy(key)
+            self._open_round(key, expected, take_announced)
+            self._changed.notify_all()
 
-    def close_each(self, rounds: Iterable[tuple[SlotKey, str | None]], *,
+    def close_each(self, rounds: Iterable[tuple[SlotKey, str]], *,
                    take_announced: bool = False) -> None:
-        """``close`` several slots under one lock, each with its pairs' parts (None: no part
-        of its own); none is closed if one is still busy. A step's end closes the rounds of
-        every buffer its batched put reads like this."""
+        """``close`` several slots under one lock, each until its pairs' parts report; none
+        is closed if one is still busy. A step's end closes the rounds of every buffer its
+        batched put reads like this."""
         wanted: dict[SlotKey, set[str]] = {}
         for key, part in rounds:
-            parts = wanted.setdefault(_check_key(key), set())
-            if part is not None:
-                parts.add(_check_part(part))
+            wanted.setdefault(_check_key(key), set()).add(_check_part(part))
         with self._changed:
             for key in wanted:
-                current = self._rounds.get(key)
-                if current is not None and not current.over:
-                    raise GateStateError(
-                        f"slot {slot_name(key)} is still busy (waiting for "
-                        f"{_names(current.pending)}); wait for it before closing it again")
+                self._refuse_busy(key)
             for key, parts in wanted.items():
                 self._open_round(key, frozenset(parts), take_announced)
             self._changed.notify_all()
+
+    def _refuse_busy(self, key: SlotKey) -> None:
+        """(lock held) Raise if the slot's round is still running."""
+        current = self._rounds.get(key)
+        if current is not None and not current.over:
+            raise GateStateError(
+                f"slot {slot_name(key)} is still busy (waiting for "
+                f"{_names(current.pending)}); wait for it before closing it again")
 
     def _open_round(self, key: SlotKey, expected: frozenset[str], take_announced: bool) -> None:
         """(lock held) Start the slot's next round (``close``)."""

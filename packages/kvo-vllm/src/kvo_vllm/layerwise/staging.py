@@ -95,14 +95,10 @@ class SaveStaging:
         """Free the whole area: only once nothing staged is still being put."""
         self._used = 0
 
-    def gather(self, rows: torch.Tensor, block_ids: Sequence[int], offset: int) -> int:
-        """Copy ``rows[block_ids]`` to ``offset``; the address of the first copied block."""
-        return self.gather_runs(rows, block_runs(block_ids), offset)
-
-    def gather_runs(self, rows: torch.Tensor, runs: Sequence[tuple[int, int]],
-                    offset: int) -> int:
-        """``gather`` of blocks given as ``block_runs``: a step's saves are the same blocks
-        in every layer, so their runs are found once per step.
+    def gather(self, rows: torch.Tensor, runs: Sequence[tuple[int, int]], offset: int) -> int:
+        """Copy the blocks of ``runs`` (``block_runs``) of ``rows`` to ``offset``, in order;
+        the address of the first copied block. A step's saves are the same blocks in every
+        layer, so their runs are found once per step.
 
         One copy per run of consecutive blocks: a ``memmove`` (it releases the GIL), or for a
         long run (``PARALLEL_COPY_BYTES``) a torch copy, which the forward's OpenMP threads

@@ -258,9 +258,9 @@ class LayerwiseWorker:
                                 for name, layer in layout.by_cache_name().items()}
         self._order: list[str] = [layer.name for layer in layout.layers]
         self._position = {name: i for i, name in enumerate(self._order)}
-        self._last_of_buffer: frozenset[str] = frozenset()
         self._held_layers: frozenset[str] = frozenset()
-        """The layers a step's batched put reads in place (``_last_of_buffer``, with staging)."""
+        """With staging: the last layer of each buffer, which a step's batched put reads in
+        place."""
         self._registered: list[int] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
@@ -310,15 +310,13 @@ class LayerwiseWorker:
         last: dict[SlotKey, str] = {}
         for name in self._order:
             last[self._buffers[name].slot] = name
-        self._last_of_buffer = frozenset(last.values())
         start = min(part.pointer for b in self._buffers.values() for part in b.parts)
         self.store.register(start, self.layout.physical_bytes)
         self._registered.append(start)
         if self.staging_bytes:
-            widest = max(sum(part.block_bytes for part in layer.parts)
-                         for layer in self.layout.layers)
+            widest = max(buffer.block_bytes for buffer in self._buffers.values())
             self.staging = SaveStaging(self.staging_bytes, min_bytes=widest)
-            self._held_layers = self._last_of_buffer
+            self._held_layers = frozenset(last.values())
             self.store.register(self.staging.pointer, self.staging.capacity)
             self._registered.append(self.staging.pointer)
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
@@ -743,7 +741,7 @@ class LayerwiseWorker:
         at = offset
         try:
             for cache in buffer.parts:
-                self.staging.gather_runs(cache.rows, runs, at)
+                self.staging.gather(cache.rows, runs, at)
                 at += count * cache.planned.block_bytes
             # False: the slot was given up on (deadline) and may have been overwritten
             # mid-copy.
