@@ -30,6 +30,7 @@ from kvo_core.config import LayerwiseOffloadConfig
 from kvo_vllm.layerwise.keys import StoreKeys
 from kvo_vllm.layerwise.layout import apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTransfers
+from kvo_vllm.layerwise.staging import block_runs
 from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS, LayerwiseWorker, PipelineError
 
 NUM_BLOCKS = 4
@@ -465,3 +466,18 @@ def test_a_block_outside_the_cache_has_no_address(rig) -> None:
         part.address(NUM_BLOCKS)
     with pytest.raises(IndexError):
         part.address(-1)
+
+
+def test_block_runs_address_the_same_bytes_as_their_blocks(dsa_rig) -> None:
+    """The step-end batch addresses held layers by block runs: the same addresses and sizes,
+    in the same order (part by part, blocks in the order given), as block by block; a run
+    reaching past the cache is refused."""
+    worker = dsa_rig[0]
+    buffer = next(iter(worker._buffers.values()))
+    assert len(buffer.parts) == 2
+    ids = [1, 2, 0, 3]
+    refs = [BlockRef(block, f"h/{block}") for block in ids]
+    assert buffer.run_locations(block_runs(ids)) == buffer.locations(refs)
+    assert buffer.run_locations([]) == ([], [])
+    with pytest.raises(IndexError, match="outside"):
+        buffer.run_locations([(NUM_BLOCKS - 2, 3)])

@@ -213,6 +213,21 @@ class _Buffer:
             sizes += [width] * len(ids)
         return addresses, sizes
 
+    def run_locations(self, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """``locations`` of the blocks of ``runs`` (``block_runs``), in order: a range per run
+        and part, extended in C (the step-end batch of a long prompt: one run, not a Python
+        operation per block and layer)."""
+        addresses: list[int] = []
+        sizes: list[int] = []
+        for part in self.parts:
+            width = part.planned.block_bytes
+            for first, length in runs:
+                start = part.address(first)
+                part.address(first + length - 1)
+                addresses += range(start, start + length * width, width)
+            sizes += [width] * (len(addresses) - len(sizes))
+        return addresses, sizes
+
 
 @attrs.frozen
 class _DeferredSave:
@@ -564,6 +579,12 @@ class LayerwiseWorker:
             self._poison(buffer.keys(self.keys, [BlockRef(0, name) for name in dropped]))
         return trusted
 
+    def _runs(self, refs: list[BlockRef]) -> list[tuple[int, int]]:
+        """``refs``' block runs: the step's, found once per step, when they are its saves."""
+        if refs is self._saves:
+            return self._save_runs
+        return block_runs([ref.block_id for ref in refs])
+
     def _save_keys(self, buffer: _Buffer, refs: list[BlockRef]) -> list[str]:
         """The layer's keys of ``refs``: from the step's prefixes when they are its saves."""
         if refs is self._saves:
@@ -735,8 +756,7 @@ class LayerwiseWorker:
         assert self.staging is not None
         started = time.perf_counter()
         part = None if self.gates.is_quiet(buffer.slot) else self._close_round(buffer)
-        runs = self._save_runs if refs is self._saves else block_runs(
-            [ref.block_id for ref in refs])
+        runs = self._runs(refs)
         count = len(refs)
         at = offset
         try:
@@ -809,7 +829,7 @@ class LayerwiseWorker:
             buffer, refs, count = save.buffer, save.refs, len(save.refs)
             keys = self._save_keys(buffer, refs)
             if save.staged_at is None:
-                addrs, sizes = buffer.locations(refs)
+                addrs, sizes = buffer.run_locations(self._runs(refs))
                 part = self._save_part(buffer)
                 held.append((buffer.slot, part))
                 self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
