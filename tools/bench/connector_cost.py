@@ -63,6 +63,10 @@ TIMED_HOOKS = {
 """Connector calls timed on the engine's thread, by group (those a class lacks are skipped).
 The timer itself adds ~0.3 us per call to both connectors."""
 
+COPY = "copy"
+"""kvo's staging copies (``SaveStaging.gather``), timed apart: a part of ``per_layer``, the
+price of sharing buffers (a layer whose buffer the step reuses is copied out first)."""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -144,6 +148,23 @@ def install_hook_clock(connector_class: type) -> None:
             setattr(connector_class, name, timed)
 
 
+def install_copy_clock() -> None:
+    """Time kvo's staging copies into ``HookClock.seconds[COPY]``."""
+    from kvo_vllm.layerwise.staging import SaveStaging
+
+    gather = SaveStaging.gather
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return gather(self, *args, **kwargs)
+        finally:
+            spent = time.perf_counter() - started
+            HookClock.seconds[COPY] = HookClock.seconds.get(COPY, 0.0) + spent
+
+    SaveStaging.gather = timed  # type: ignore[method-assign]
+
+
 def release_skipped_saves(scheduler: Any, before: set[int]) -> None:
     """The peer's scheduler pins a request's blocks until its worker reports the store job
     done; a bypassed worker never runs the job, so the pins of jobs made while bypassed are
@@ -169,6 +190,7 @@ def engine_process(channel: Connection, model: str, max_len: int, transfer: dict
 
         install_bypass(LayerwiseStoreConnector)
         install_hook_clock(LayerwiseStoreConnector)
+        install_copy_clock()
     else:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
             MooncakeStoreConnector,
@@ -263,10 +285,14 @@ def measure(engines: list[Engine], lengths: list[int], pairs: int, settle_s: flo
 
 
 def median_hook_seconds(requests: list[dict[str, float]]) -> dict[str, float]:
-    """Per group of ``TIMED_HOOKS`` and in total: the median over requests."""
+    """Per group of ``TIMED_HOOKS``, in total, kvo's staging copies (``COPY``, inside
+    ``per_layer``) and the total less them: the median over requests."""
     medians = {group: statistics.median(r.get(group, 0.0) for r in requests)
-               for group in TIMED_HOOKS}
-    medians["total"] = statistics.median(sum(r.values()) for r in requests)
+               for group in (*TIMED_HOOKS, COPY)}
+    totals = [sum(r.get(group, 0.0) for group in TIMED_HOOKS) for r in requests]
+    medians["total"] = statistics.median(totals)
+    medians["total_less_copy"] = statistics.median(
+        total - r.get(COPY, 0.0) for total, r in zip(totals, requests, strict=True))
     return medians
 
 
@@ -328,13 +354,20 @@ def print_table(report: dict[str, Any]) -> None:
     groups = list(TIMED_HOOKS)
     print("Time inside the connector's calls per request, connector at work (median ms; on the "
           "engine's thread, not counting its background threads):")
-    print("| prompt tokens | connector | total | " + " | ".join(groups) + " |")
-    print("|---:|---|---:|" + "---:|" * len(groups))
+    print("| prompt tokens | connector | total | " + " | ".join(groups)
+          + " | of which copy | total less copy |")
+    print("|---:|---|---:|" + "---:|" * (len(groups) + 2))
     for row in report["results"]:
         for name in names:
             hooks = row[name]["hook_s"]
             print(f"| {row['prompt_tokens']} | {name} | {hooks['total'] * 1000:.3f} | "
-                  + " | ".join(f"{hooks[group] * 1000:.3f}" for group in groups) + " |")
+                  + " | ".join(f"{hooks[group] * 1000:.3f}" for group in groups)
+                  + f" | {hooks.get(COPY, 0.0) * 1000:.3f}"
+                  + f" | {hooks.get('total_less_copy', hooks['total']) * 1000:.3f} |")
+    print()
+    print("copy: kvo's staging copies of the layers whose buffer the step reuses (a part of "
+          "per_layer; what sharing buffers costs on a CPU, where the copy runs on the "
+          "forward's cores)")
     print()
     for name, met in report["at_or_below_peer"].items():
         print(f"{name}'s cost <= the peer's at every length: {'met' if met else 'MISSED'}")
