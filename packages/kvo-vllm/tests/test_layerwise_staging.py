@@ -398,3 +398,44 @@ def test_a_failed_remote_read_of_staged_layers_poisons_no_save(staged) -> None:
     for layer in range(6):
         assert torch.all(stored_value(store, KEYS.key("b2", layer)) == 2.0 + layer)
     assert worker.stats.poisoned_keys == 0
+
+
+def test_a_step_whose_blocks_come_last_first_is_copied_as_one_run(staged, monkeypatch) -> None:
+    """vLLM often hands a prompt blocks in descending order (it frees a request's blocks
+    last first): the step's saves are taken in block order, one copy per staged layer, and
+    every key still gets its own block's bytes."""
+    from kvo_vllm.layerwise.staging import SaveStaging
+
+    worker, store, caches = staged
+    runs_seen: list[list[tuple[int, int]]] = []
+    gather = SaveStaging.gather
+
+    def spy(self, rows, runs, offset):
+        runs_seen.append(list(runs))
+        return gather(self, rows, runs, offset)
+
+    monkeypatch.setattr(SaveStaging, "gather", spy)
+    forward(worker, caches, step_meta(save=[(3, "c3"), (2, "c2"), (1, "c1")]),
+            {3: 300.0, 2: 200.0, 1: 100.0})
+    worker.wait_staged_puts()
+    assert runs_seen == [[(1, 3)]] * 3  # layers 1-3 copied (0, 4, 5 put in place)
+    for layer in range(6):
+        for block in (1, 2, 3):
+            assert torch.all(stored_value(store, KEYS.key(f"c{block}", layer))
+                             == 100.0 * block + layer), (layer, block)
+
+
+def test_block_runs_are_runs_of_consecutive_ids_in_order() -> None:
+    from kvo_vllm.layerwise.staging import block_runs
+
+    assert block_runs([]) == []
+    assert block_runs([5, 6, 7, 8]) == [(5, 4)]
+    assert block_runs([1, 3, 2, 4]) == [(1, 1), (3, 1), (2, 1), (4, 1)]  # span fits, order not
+    assert block_runs([4, 3, 2]) == [(4, 1), (3, 1), (2, 1)]
+    assert block_runs([2, 2, 3]) == [(2, 1), (2, 2)]
+
+
+def test_block_prefixes_are_each_names_block_prefix() -> None:
+    names = ["h/ab", "q/e/r/0", ""]
+    assert KEYS.block_prefixes(names) == [KEYS.block_prefix(name) for name in names]
+    assert KEYS.for_rank(3).block_prefixes(["h/ab"]) == [KEYS.for_rank(3).block_prefix("h/ab")]

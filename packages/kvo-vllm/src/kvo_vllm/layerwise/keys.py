@@ -17,7 +17,7 @@ store without ever reading each other's blocks.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -39,11 +39,15 @@ def hashed_block_name(block_hash: bytes) -> str:
 
 def request_block_name(engine_id: str, request_id: str, block_position: int) -> str:
     """Name of a request's own block (partial, or hashed too late to be shared)."""
-    return f"q/{engine_id}/{request_id}/{block_position}"
+    return f"{REQUEST_BLOCK_MARK}{engine_id}/{request_id}/{block_position}"
+
+
+REQUEST_BLOCK_MARK = "q/"
+"""What ``request_block_name``s start with."""
 
 
 def is_request_block(name: str) -> bool:
-    return name.startswith("q/")
+    return name.startswith(REQUEST_BLOCK_MARK)
 
 
 @attrs.frozen
@@ -60,7 +64,17 @@ class StoreKeys:
     def block_prefix(self, block_name: str) -> str:
         """What every key of the block starts with: a key is this + ``layer_suffix`` (the
         per-layer save path builds its keys from both, without a call per key)."""
-        return f"{PREFIX}/{self.namespace}/r{self.rank}/{block_name}/"
+        return f"{self.rank_prefix}{block_name}/"
+
+    @property
+    def rank_prefix(self) -> str:
+        """What every key of this rank starts with."""
+        return f"{PREFIX}/{self.namespace}/r{self.rank}/"
+
+    def block_prefixes(self, block_names: Iterable[str]) -> list[str]:
+        """``block_prefix`` of each name (a step's saves: one format, not a call, per block)."""
+        head = self.rank_prefix
+        return [f"{head}{name}/" for name in block_names]
 
     def for_rank(self, rank: int) -> StoreKeys:
         return attrs.evolve(self, rank=rank)

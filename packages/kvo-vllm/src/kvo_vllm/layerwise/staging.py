@@ -130,6 +130,9 @@ class SaveStaging:
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     """``block_ids`` as (first id, count) runs of consecutive ids, in order."""
+    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and list(
+            block_ids) == list(range(block_ids[0], block_ids[-1] + 1)):
+        return [(block_ids[0], len(block_ids))]  # one run (compared in C, not id by id)
     runs: list[tuple[int, int]] = []
     for block in block_ids:
         if runs and runs[-1][0] + runs[-1][1] == block:

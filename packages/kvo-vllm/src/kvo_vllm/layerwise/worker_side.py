@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import os
 import threading
 import time
@@ -55,7 +56,7 @@ import torch
 
 from kvo_core.errors import KvoError, SlotFailedError, SlotTimeoutError
 from kvo_core.gates import SlotGates, SlotKey
-from kvo_vllm.layerwise.keys import StoreKeys, is_request_block, layer_suffix
+from kvo_vllm.layerwise.keys import REQUEST_BLOCK_MARK, StoreKeys, layer_suffix
 from kvo_vllm.layerwise.layout import LayerLayout, PlannedLayer, PlannedPart, check_aliasing
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
@@ -76,6 +77,7 @@ block ids). A dense layer has one cache (named like the layer); a DSA layer two 
 and its indexer's key cache)."""
 
 STORE_PART = "store"
+_block_id = operator.attrgetter("block_id")
 LOAD_ATTEMPTS = 3
 """Tries of one layer's batched get before its blocks are reported as load errors."""
 
@@ -364,11 +366,16 @@ class LayerwiseWorker:
             self.stats.steps += 1
         self._loads = {True: meta.loads(shared_layer=True), False: meta.loads(shared_layer=False)}
         self._any_loads = bool(self._loads[True] or self._loads[False])
-        self._saves = meta.saves()
-        self._save_prefixes = [self.keys.block_prefix(ref.name) for ref in self._saves]
+        # In block order: vLLM frees a request's blocks last first, so a later prompt often
+        # gets them in descending order; sorted, they are a few runs to copy and address
+        # (a copy and a range per run) instead of one per block (the order of a batched put
+        # does not matter to the store).
+        self._saves = sorted(meta.saves(), key=_block_id)
+        self._save_prefixes = self.keys.block_prefixes([ref.name for ref in self._saves])
         self._save_runs = block_runs([ref.block_id for ref in self._saves])
         for request in meta.requests:
-            names = {ref.name for ref in request.save if is_request_block(ref.name)}
+            names = {name for ref in request.save
+                     if (name := ref.name).startswith(REQUEST_BLOCK_MARK)}
             if names:
                 self._request_blocks.setdefault(request.request_id, set()).update(names)
         if self._any_loads:
@@ -589,7 +596,7 @@ class LayerwiseWorker:
         """The layer's keys of ``refs``: from the step's prefixes when they are its saves."""
         if refs is self._saves:
             return buffer.keys_with(self._save_prefixes)
-        return buffer.keys_with([self.keys.block_prefix(ref.name) for ref in refs])
+        return buffer.keys_with(self.keys.block_prefixes([ref.name for ref in refs]))
 
     def _wait_slot(self, buffer: _Buffer) -> None:
         """Wait until the previous occupant's consumers are done with the slot."""
@@ -829,7 +836,10 @@ class LayerwiseWorker:
             buffer, refs, count = save.buffer, save.refs, len(save.refs)
             keys = self._save_keys(buffer, refs)
             if save.staged_at is None:
-                addrs, sizes = buffer.run_locations(self._runs(refs))
+                runs = self._runs(refs)
+                # A range per run pays off for long runs only (a step's sorted saves).
+                addrs, sizes = (buffer.run_locations(runs) if 4 * len(runs) <= count
+                                else buffer.locations(refs))
                 part = self._save_part(buffer)
                 held.append((buffer.slot, part))
                 self._staged.held.append(HeldSlot(slot=buffer.slot, part=part, keys=keys))
