@@ -128,41 +128,34 @@ class HookClock:
     seconds: ClassVar[dict[str, float]] = {}
 
 
+def clocked(method: Any, group: str) -> Any:
+    """``method`` adding the seconds of each call to ``HookClock.seconds[group]``."""
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            spent = time.perf_counter() - started
+            HookClock.seconds[group] = HookClock.seconds.get(group, 0.0) + spent
+
+    return timed
+
+
 def install_hook_clock(connector_class: type) -> None:
     """Time every call of ``TIMED_HOOKS`` into ``HookClock.seconds`` by group."""
     for group, names in TIMED_HOOKS.items():
         for name in names:
             hook = getattr(connector_class, name, None)
-            if hook is None:
-                continue
-
-            def timed(self: Any, *args: Any, _hook: Any = hook, _group: str = group,
-                      **kwargs: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return _hook(self, *args, **kwargs)
-                finally:
-                    spent = time.perf_counter() - started
-                    HookClock.seconds[_group] = HookClock.seconds.get(_group, 0.0) + spent
-
-            setattr(connector_class, name, timed)
+            if hook is not None:
+                setattr(connector_class, name, clocked(hook, group))
 
 
 def install_copy_clock() -> None:
     """Time kvo's staging copies into ``HookClock.seconds[COPY]``."""
     from kvo_vllm.layerwise.staging import SaveStaging
 
-    gather = SaveStaging.gather
-
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return gather(self, *args, **kwargs)
-        finally:
-            spent = time.perf_counter() - started
-            HookClock.seconds[COPY] = HookClock.seconds.get(COPY, 0.0) + spent
-
-    SaveStaging.gather = timed  # type: ignore[method-assign]
+    SaveStaging.gather = clocked(SaveStaging.gather, COPY)  # type: ignore[method-assign]
 
 
 def release_skipped_saves(scheduler: Any, before: set[int]) -> None:
