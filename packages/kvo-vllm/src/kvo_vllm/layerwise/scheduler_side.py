@@ -112,19 +112,22 @@ class LayerwiseScheduler:
                        and request.request_id not in self._deferred)
         local_names = ([hashed_block_name(h) for h in request.block_hashes[:first]]
                        if check_local else [])
-        names = [hashed_block_name(h) for h in request.block_hashes[first:last]]
-        if not local_names and not names:
+        hashes = request.block_hashes[first:last]
+        if not local_names and not hashes:
             return 0
         per_block = len(self._parts) * self._tp_size
         try:
-            if local_names or len(names) == 1:
-                present = self._exists(self._keys_of(local_names + names))
+            if local_names or len(hashes) == 1:
+                present = self._exists(self._keys_of(
+                    local_names + [hashed_block_name(h) for h in hashes]))
             else:
                 # A fresh prompt misses at its first block: ask for that block's keys alone
-                # (a short request, no keys built for the rest), then for the rest on a hit.
-                present = self._exists(self._keys_of(names[:1]))
+                # (a short request; no names or keys made for the rest), then for the rest
+                # on a hit.
+                present = self._exists(self._keys_of([hashed_block_name(hashes[0])]))
                 if all(present):
-                    present += self._exists(self._keys_of(names[1:]))
+                    present += self._exists(self._keys_of(
+                        [hashed_block_name(h) for h in hashes[1:]]))
         except Exception as error:  # a store outage is a cache miss, not a failed request
             logger.warning("kvo layerwise: store lookup failed, treating as a miss: %s", error)
             return 0
@@ -148,7 +151,7 @@ class LayerwiseScheduler:
                     first, evicted)
                 return None
         found = 0
-        for position in range(len(local_names), len(local_names) + len(names)):
+        for position in range(len(local_names), len(local_names) + len(hashes)):
             if (position + 1) * per_block > len(present) or not stored(position):
                 break
             found += 1
