@@ -228,7 +228,8 @@ def test_a_failed_save_is_never_loaded_later(rig) -> None:
 
 def test_the_first_layer_must_be_made_ready_before_attention(rig) -> None:
     worker = rig[0]
-    worker._meta = step_meta(save=[(1, "b1")])  # bound metadata, but start_step never ran
+    # A step with work under way, but its first layer was never made ready.
+    worker._meta, worker._step_active = step_meta(save=[(1, "b1")]), True
     with pytest.raises(PipelineError, match="before its buffer was made ready"):
         worker.before_attention(NAMES[0])
 

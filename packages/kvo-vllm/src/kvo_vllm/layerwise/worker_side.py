@@ -295,6 +295,8 @@ class LayerwiseWorker:
         self._step_poisoned = False
         self._step = 0
         self._meta: LayerwiseMetadata | None = None
+        self._step_active = False
+        """A step with work is between ``start_step`` and ``finish_step``."""
         self._loads: dict[bool, list[BlockRef]] = {}
         self._any_loads = False
         self._saves: list[BlockRef] = []
@@ -354,6 +356,7 @@ class LayerwiseWorker:
         self._step += 1
         self.gates.new_epoch()  # parts announced for an earlier step never join this one's
         self._meta = meta
+        self._step_active = meta.has_work
         self._ready = set()
         self._pending_loads = {}
         self._save_futures = []
@@ -384,7 +387,7 @@ class LayerwiseWorker:
 
     def before_attention(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
-        if layer_name in self._ready or not self._active() or layer_name not in self._position:
+        if layer_name in self._ready or not self._step_active or layer_name not in self._position:
             return
         raise PipelineError(
             f"layer {layer_name!r} reached attention before its buffer was made ready; "
@@ -392,7 +395,7 @@ class LayerwiseWorker:
 
     def after_attention(self, layer_name: str) -> None:
         """``save_kv_layer``: save this layer, then ready the next one."""
-        if not self._active() or layer_name not in self._position:
+        if not self._step_active or layer_name not in self._position:
             return
         buffer = self._buffers[layer_name]
         saves = self._trusted_saves(buffer) if self._step_failed else self._saves
@@ -421,6 +424,7 @@ class LayerwiseWorker:
         if self._deferred:
             self._batch_deferred()
         self._meta = None
+        self._step_active = False
         self._fold_step_counts()
         if self._staged.keys:
             batch, self._staged = self._staged, StagedBatch()
@@ -529,9 +533,6 @@ class LayerwiseWorker:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _active(self) -> bool:
-        return self._meta is not None and self._meta.has_work
-
     def _prefetch_from(self, position: int) -> None:
         last = min(position + self.prefetch_depth, len(self._order) - 1)
         for i in range(position, last + 1):
@@ -545,9 +546,14 @@ class LayerwiseWorker:
 
     def _make_ready(self, position: int) -> None:
         name = self._order[position]
-        future = self._pending_loads.pop(name, None)
+        future = self._pending_loads.pop(name, None) if self._pending_loads else None
+        if future is None and self.gates.is_quiet(self._buffers[name].slot):
+            # Nothing to load (see _prefetch_from) and the slot is free: the common cold
+            # layer, made ready with no wait and no clock read.
+            self._ready.add(name)
+            return
         started = time.perf_counter()
-        if future is None:  # nothing to load (see _prefetch_from)
+        if future is None:  # nothing to load: wait for the slot
             self._wait_slot(self._buffers[name])
             failed: list[int] = []
         else:
