@@ -37,17 +37,13 @@ def hashed_block_name(block_hash: bytes) -> str:
     return f"h/{bytes(block_hash).hex()}"
 
 
-def request_block_name(engine_id: str, request_id: str, block_position: int) -> str:
-    """Name of a request's own block (partial, or hashed too late to be shared)."""
-    return f"{REQUEST_BLOCK_MARK}{engine_id}/{request_id}/{block_position}"
-
-
 REQUEST_BLOCK_MARK = "q/"
 """What ``request_block_name``s start with."""
 
 
-def is_request_block(name: str) -> bool:
-    return name.startswith(REQUEST_BLOCK_MARK)
+def request_block_name(engine_id: str, request_id: str, block_position: int) -> str:
+    """Name of a request's own block (partial, or hashed too late to be shared)."""
+    return f"{REQUEST_BLOCK_MARK}{engine_id}/{request_id}/{block_position}"
 
 
 @attrs.frozen

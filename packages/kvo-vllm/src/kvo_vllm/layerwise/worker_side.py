@@ -77,9 +77,10 @@ block ids). A dense layer has one cache (named like the layer); a DSA layer two 
 and its indexer's key cache)."""
 
 STORE_PART = "store"
-_block_id = operator.attrgetter("block_id")
 LOAD_ATTEMPTS = 3
 """Tries of one layer's batched get before its blocks are reported as load errors."""
+
+_block_id = operator.attrgetter("block_id")
 
 
 def lower_thread_priority(nice: int) -> None:
