@@ -5,6 +5,10 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +250,55 @@ def test_orphans_of_other_names_are_swept_only_when_nobody_holds_them(caplog) ->
         holder.kill()
         holder.join(30)
         held.unlink(missing_ok=True)
+
+
+SMALL_SHM_SCRIPT = """
+import sys
+from kvo_transport.errors import HostPoolError
+from kvo_transport.host_pool import HostPool
+try:
+    pool = HostPool.create("test-small-shm", 32 * 2**20)
+except HostPoolError as exc:
+    print("ERROR:", exc)
+    sys.exit(3)
+pool.view(torch.uint8, (pool.nbytes,)).fill_(1)  # touches every page: SIGBUS on a short tmpfs
+print("CREATED", pool.nbytes)
+"""
+
+
+def _in_small_shm(script: str, size: str = "8M") -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a private mount namespace whose /dev/shm is a ``size`` tmpfs."""
+    shell = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && "
+             f"exec {shlex.quote(sys.executable)} -c {shlex.quote('import torch' + script)}")
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounting a small tmpfs in a private mount namespace needs root "
+                           "and util-linux unshare")
+def test_a_pool_larger_than_dev_shm_fails_at_create_naming_the_numbers() -> None:
+    result = _in_small_shm(SMALL_SHM_SCRIPT)
+    assert result.returncode == 3, (result.returncode, result.stdout, result.stderr)  # no SIGBUS
+    message = result.stdout
+    assert f"needs {32 * 2**20} bytes" in message
+    assert "free of 8388608" in message  # the tmpfs's size, in bytes
+    assert "host_pool_bytes" in message and "--shm-size" in message
+    # the failed create left nothing behind in the small /dev/shm
+    check = _in_small_shm(SMALL_SHM_SCRIPT.replace("32 * 2**20", "4 * 2**20"))
+    assert check.returncode == 0 and f"CREATED {4 * 2**20}" in check.stdout, check.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounting a small tmpfs in a private mount namespace needs root "
+                           "and util-linux unshare")
+def test_pages_taken_after_the_size_check_still_fail_the_create_cleanly() -> None:
+    """The free-space check passes, then another pool takes the room: reserving the pages
+    (not a later touch) is what fails."""
+    script = SMALL_SHM_SCRIPT.replace(
+        "try:\n", "import kvo_transport.host_pool as hp\nhp.os.statvfs = lambda _p: "
+        "(_ for _ in ()).throw(OSError('no statvfs'))\ntry:\n", 1)
+    result = _in_small_shm(script)
+    assert result.returncode == 3, (result.returncode, result.stdout, result.stderr)
+    assert "reserving its pages failed: no space" in result.stdout
+    assert "an unknown number of bytes free" in result.stdout

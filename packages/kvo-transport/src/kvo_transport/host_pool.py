@@ -10,11 +10,14 @@ locks, and refuses, naming the holders, one that is still in use. Pools named pe
 DSA offload backend's) are never created again under the same name, so every ``create`` also
 sweeps segments of any name that nobody locks and that are older than ``ORPHAN_MIN_AGE_S``
 (a vLLM server stopped by a signal exits without running finalizers: tens of MiB per restart
-would otherwise stay in /dev/shm until reboot).
+would otherwise stay in /dev/shm until reboot). ``create`` reserves every page of the segment
+(``posix_fallocate``), so a /dev/shm too small for the pool fails there, naming the bytes needed
+and free, rather than killing the process with SIGBUS when the pages are first touched.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import math
@@ -90,6 +93,47 @@ def shm_path(name: str) -> Path:
 
 def round_to_pages(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE_SIZE) * PAGE_SIZE
+
+
+def _shm_too_small(name: str, size: int, detail: str) -> HostPoolError:
+    """The start-up error for a pool that /dev/shm cannot hold: what is needed, what is free,
+    and the two settings that change it."""
+    try:
+        fs = os.statvfs(SHM_DIR)
+        free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+        room = f"{free} bytes ({free / 2**20:.1f} MiB) free of {total} ({total / 2**20:.1f} MiB)"
+    except OSError:
+        room = "an unknown number of bytes free"
+    return HostPoolError(
+        f"host pool {name!r} needs {size} bytes ({size / 2**20:.1f} MiB) of shared memory in "
+        f"{SHM_DIR}, which has {room} ({detail}): make the pool smaller (kvo_sparse."
+        f"host_pool_bytes, or max_num_seqs x max_model_len when it is unset) or give {SHM_DIR} "
+        "more room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory)"
+    )
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Size the segment and reserve all of its pages now.
+
+    A tmpfs hands out pages when they are first touched: a segment merely truncated to a size
+    that /dev/shm cannot hold kills the process with SIGBUS much later, when the transfer engine
+    or a copy reaches the missing pages. Reserving them here fails at start-up instead.
+    """
+    try:
+        fs = os.statvfs(SHM_DIR)
+    except OSError:
+        fs = None
+    if fs is not None and fs.f_blocks and size > fs.f_bavail * fs.f_frsize:
+        raise _shm_too_small(name, size, "checked before reserving")
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        if exc.errno == errno.ENOSPC:
+            raise _shm_too_small(name, size, "reserving its pages failed: no space") from None
+        # A file system without fallocate: size it, the pages come on first touch.
+        os.ftruncate(fd, size)
 
 
 def _map_shared(fd: int, size: int) -> mmap.mmap:
@@ -183,8 +227,12 @@ class HostPool:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" for as long as this process lives
-            os.ftruncate(fd, size)
+            _reserve(fd, name, size)
             mapping = _map_shared(fd, size)
+        except HostPoolError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
