@@ -7,8 +7,10 @@ The first test in a session builds the extension (about a minute on two cores; c
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -592,3 +594,56 @@ def test_build_directory_and_name_track_versions(monkeypatch: pytest.MonkeyPatch
     assert directory.parent == tmp_path and torch.__version__.split("+")[0] in directory.name
     name = native_build.extension_name()
     assert name.startswith("kvo_native_ops_") and name == native_build.extension_name()
+
+
+def test_a_failed_build_logs_its_start_and_is_not_retried_in_the_process(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One INFO line before compiling (what, where, how long); a failure is raised again to the
+    next caller without a second compile (vLLM builds one table per layer)."""
+    monkeypatch.setenv("KVO_TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "SOURCES", ("broken.cpp",))
+    monkeypatch.setattr(native_build, "HEADERS", ())
+    monkeypatch.setattr(native_build, "CSRC", tmp_path)
+    (tmp_path / "broken.cpp").write_text("int kvo_broken() { return kvo_undeclared_name; }\n")
+    monkeypatch.setattr(native_build, "_module", None)
+    monkeypatch.setattr(native_build, "_failure", None)
+    calls = []
+    real = native_build.compile_and_load
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native_build, "compile_and_load", counting)
+    with caplog.at_level(logging.INFO, logger=native_build.log.name):
+        with pytest.raises(native_build.NativeBuildError) as first:
+            native_build.load_native_ops()
+        with pytest.raises(native_build.NativeBuildError) as second:
+            native_build.load_native_ops()
+    assert second.value is first.value and len(calls) == 1
+    started = [r.getMessage() for r in caplog.records
+               if "compiling native host ops" in r.getMessage()]
+    assert len(started) == 1 and str(tmp_path) in started[0]
+    assert "kvo-build-native-ops" in started[0]
+    assert not any("built in" in r.getMessage() for r in caplog.records)
+
+
+def test_the_ahead_of_time_command_builds_into_the_cache_then_finds_it(tmp_path: Path) -> None:
+    """``python -m kvo_kernels.native_build`` (the ``kvo-build-native-ops`` script) compiles
+    into $KVO_TORCH_EXTENSIONS_DIR, logging the start and the result (time, path); a second run
+    finds the build and compiles nothing."""
+    env = {**os.environ, "KVO_TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "kvo_kernels.native_build"]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
+                           check=False)
+    assert first.returncode == 0, first.stderr
+    library = Path(first.stdout.strip().rsplit(": ", 1)[1])
+    assert library.is_file() and library.is_relative_to(tmp_path), first.stdout
+    assert "kvo native ops built in" in first.stdout
+    assert "INFO kvo: compiling native host ops" in first.stderr
+    built = r"INFO kvo: native host ops \S+ built in [0-9.]+ s: " + re.escape(str(library))
+    assert re.search(built, first.stderr), first.stderr
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert second.returncode == 0 and f"already built: {library}" in second.stdout
+    assert "compiling" not in second.stderr

@@ -9,7 +9,9 @@ row last written at that position, whichever path (hot buffer or pool) served it
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import uuid
 from typing import Any
 
@@ -323,23 +325,35 @@ def test_capacity_must_hold_the_query_rows_selection() -> None:
         _manager(max_rows=0)
 
 
-def test_a_native_residency_that_cannot_build_falls_back_with_a_warning(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_native_residency_that_cannot_build_falls_back_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The default residency_backend "native" on a host where the op cannot load: kvo-core's
-    table, a warning naming why, and the miss copies stay with the dispatcher's choice (the
-    C++ host copy lives in the library that did not load)."""
+    table, one WARNING (not one per layer) naming why, the fallback and its cost, and the miss
+    copies stay with the dispatcher's choice (the C++ host copy lives in the library that did
+    not load)."""
     from kvo_core.residency import ResidencyTable
     from kvo_kernels import native_residency
+    from kvo_vllm.sparse import residency_backend
 
     class Unbuildable:
         def __init__(self, *args: object, **kwargs: object) -> None:
             raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(native_residency, "NativeResidencyTable", Unbuildable)
-    with pytest.warns(UserWarning, match="no compiler here"):
+    monkeypatch.setattr(residency_backend, "_fallback_logged", threading.Event())
+    with caplog.at_level(logging.WARNING, logger=residency_backend.logger.name):
         manager = _manager(residency_backend="native")
+        second = _manager(residency_backend="native")
     try:
+        assert len(manager.tables) > 1
         assert all(isinstance(table, ResidencyTable) for table in manager.tables)
         assert manager.copy_implementation is None
+        warnings = [r.getMessage() for r in caplog.records
+                    if r.levelno == logging.WARNING and r.name == residency_backend.logger.name]
+        assert len(warnings) == 1, warnings
+        assert "no compiler here" in warnings[0]
+        assert "falling back to kvo-core's torch ResidencyTable" in warnings[0]
+        assert "slower" in warnings[0] and "kvo-build-native-ops" in warnings[0]
     finally:
         manager.close()
+        second.close()

@@ -6,7 +6,10 @@ host compiler into ``~/.cache/kvo/torch_extensions/<python>-<torch>/<name>/`` (o
 library's name carries a digest of every source and header, so an upgraded package never loads
 a stale build (PyTorch's own check sees only the listed sources, not the headers). PyTorch holds
 a file lock while building, so concurrent processes do not race; a process-local lock keeps
-threads from loading twice.
+threads from loading twice; a failed build is not retried in the same process.
+
+``kvo-build-native-ops`` (or ``python -m kvo_kernels.native_build``) builds them ahead of time,
+e.g. while building a container image, so no server compiles them at start-up.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ _module: ModuleType | None = None
 
 class NativeBuildError(KvoError, RuntimeError):
     """The C++ host ops could not be compiled or loaded; the message carries the compiler output."""
+
+
+_failure: NativeBuildError | None = None
 
 
 def build_directory() -> Path:
@@ -106,11 +112,15 @@ def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
             return load_built(name, built, python_module=python_module)
         except (OSError, ImportError) as error:  # unreadable or broken: build it again
             log.warning("could not load %s (%s); building it again", built, error)
-    _compiler()
+    compiler = _compiler()
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     reclaim_stale_lock(directory)
+    log.info("kvo: compiling native host ops %s (%s) with %s into %s: about a minute, once per "
+             "kvo/torch/Python version (build them ahead with `kvo-build-native-ops`)",
+             name, ", ".join(Path(s).name for s in sources), compiler, directory)
+    started = time.monotonic()
     try:
         module = cpp_extension.load(
             name=name,
@@ -126,6 +136,8 @@ def compile_and_load(name: str, sources: Sequence[Path], directory: Path, *,
         raise NativeBuildError(
             f"building kvo's native ops ({', '.join(Path(s).name for s in sources)}) in "
             f"{directory} failed; compiler output:\n{error}") from error
+    log.info("kvo: native host ops %s built in %.1f s: %s", name, time.monotonic() - started,
+             built)
     return module if python_module else None
 
 
@@ -154,13 +166,48 @@ def load_native_ops() -> ModuleType:
     function without the dispatcher in front (~5 us less per call here, a tenth of a
     one-row update).
     """
-    global _module
+    global _module, _failure
     with _lock:
+        if _failure is not None:  # one build attempt per process, not one per caller
+            raise _failure
         if _module is None:
             name = extension_name()
-            _module = compile_and_load(name, [CSRC / source for source in SOURCES],
-                                       build_directory() / name, python_module=True)
+            try:
+                _module = compile_and_load(name, [CSRC / source for source in SOURCES],
+                                           build_directory() / name, python_module=True)
+            except NativeBuildError as error:
+                _failure = error
+                raise
         module = _module
     if module is None:  # compile_and_load returns the module when asked to
         raise NativeBuildError("kvo's native ops built but did not load as a module")
     return module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvo-build-native-ops``: build (or find) the native ops now and print where they are."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="kvo-build-native-ops",
+        description="Build kvo's C++/OpenMP host ops ahead of time (e.g. in a container image) "
+                    "into the cache the servers load them from: $KVO_TORCH_EXTENSIONS_DIR, "
+                    "default ~/.cache/kvo/torch_extensions.")
+    parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    name = extension_name()
+    library = build_directory() / name / f"{name}.so"
+    cached = library.is_file()
+    started = time.monotonic()
+    try:
+        load_native_ops()
+    except NativeBuildError as error:
+        print(f"kvo-build-native-ops: {error}", file=sys.stderr)
+        return 1
+    state = "already built" if cached else f"built in {time.monotonic() - started:.1f} s"
+    print(f"kvo native ops {state}: {library}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

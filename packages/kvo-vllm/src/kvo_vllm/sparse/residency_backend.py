@@ -5,13 +5,17 @@ Both implement kvo-core's rules slot for slot, so the choice changes speed, neve
 
 from __future__ import annotations
 
-import warnings
+import logging
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from kvo_core.residency import ResidencyResult, ResidencyTable
+
+logger = logging.getLogger(__name__)
+_fallback_logged = threading.Event()
 
 
 class ResidencyTableLike(Protocol):
@@ -25,8 +29,8 @@ class ResidencyTableLike(Protocol):
 def make_residency_table(backend: str, rows: int, capacity: int) -> ResidencyTableLike:
     """A table for ``rows`` decode rows of ``capacity`` slots (backend "torch" or "native").
 
-    "native" falls back to the torch table, with a warning that says why, when the C++ op is
-    not available (no compiler, or a kvo-kernels without it).
+    "native" falls back to the torch table, with one warning per process that says why and
+    what it costs, when the C++ op is not available (no compiler, or a kvo-kernels without it).
     """
     if backend == "native":
         try:
@@ -35,8 +39,15 @@ def make_residency_table(backend: str, rows: int, capacity: int) -> ResidencyTab
             table: ResidencyTableLike = NativeResidencyTable(rows, capacity)
             return table
         except Exception as error:  # ImportError, NativeBuildError: both mean "not here"
-            warnings.warn(f"native residency table unavailable ({error}); using kvo-core's "
-                          "torch ResidencyTable (same results, slower)", stacklevel=2)
+            if not _fallback_logged.is_set():  # once per process, not once per layer
+                _fallback_logged.set()
+                logger.warning(
+                    "kvo: native residency op unavailable, falling back to kvo-core's torch "
+                    "ResidencyTable (residency_backend='torch'): same results, but each layer's "
+                    "decode step runs several torch ops instead of one C++ call and the miss "
+                    "copies and row identity take their torch paths, so decode steps are "
+                    "slower (compare: `nox -s bench -- residency`); to get the native op, "
+                    "install g++ and run `kvo-build-native-ops`. Cause: %s", error)
     return ResidencyTable(rows, capacity)
 
 
