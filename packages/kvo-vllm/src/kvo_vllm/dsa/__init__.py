@@ -2,12 +2,21 @@
 in vLLM-CPU with kvo: two vLLM plugins and the pieces they install.
 
 - ``platform_plugin`` (entry point group ``vllm.platform_plugins``): on a vLLM CPU build it
-  activates :class:`kvo_vllm.dsa.platform.KvoCpuPlatform`, a ``CpuPlatform`` that changes
+  activates kvo's subclass of the CPU platform vLLM itself picks (``CpuPlatform``, or
+  ``ZenCpuPlatform`` on AMD Zen with zentorch: :mod:`kvo_vllm.dsa.platform`), which changes
   nothing for other models and, for a sparse MLA model, selects kvo's sparse MLA backend.
-  ``KVO_DSA_PLATFORM=0`` turns it off (vLLM then refuses sparse models on CPU, as stock).
+  It steps aside (returns None: vLLM keeps its own platform), with a log line saying why, when
+  ``KVO_DSA_PLATFORM=0``, when vLLM is not a CPU build, when vLLM picks a CPU platform kvo does
+  not extend, when the vLLM version is outside kvo's range, and when anything in kvo's plugin
+  fails: a fault in kvo must not stop vLLM from serving the models kvo does not touch.
 - ``register`` (group ``vllm.general_plugins``, run in every vLLM process): registers kvo's
   indexer op (``SparseAttnIndexer.register_oot``) and the model classes whose indexer keeps
-  its query in torch on CPU (:mod:`kvo_vllm.dsa.model`).
+  its query in torch on CPU (:mod:`kvo_vllm.dsa.model`) when kvo's platform runs; on any other
+  platform it makes kvo's sparse settings (``additional_config.kvo_sparse`` /
+  ``KVO_SPARSE_CONFIG``) an error naming the platform instead of being ignored
+  (:mod:`kvo_vllm.dsa.elsewhere`).
+
+Both put kvo's loggers under vLLM's (:mod:`kvo_vllm.vllm_logging`) first.
 
 Modules: ``config`` (the one switch), ``platform``, ``model``, ``indexer`` / ``indexer_cache``
 (the CPU indexer and its cache layout), ``backend`` (the sparse MLA attention backend),
@@ -17,31 +26,98 @@ modes), ``stats`` (counters).
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 import os
+
+from kvo_vllm.vllm_logging import join_vllm_logging
 
 PLATFORM_ENV_VAR = "KVO_DSA_PLATFORM"
 PLATFORM_CLASS = "kvo_vllm.dsa.platform.KvoCpuPlatform"
+KVO_PLATFORMS = {
+    "vllm.platforms.cpu.CpuPlatform": PLATFORM_CLASS,
+    "vllm.platforms.zen_cpu.ZenCpuPlatform": "kvo_vllm.dsa.platform.KvoZenCpuPlatform",
+}
+"""vLLM's CPU platform -> kvo's subclass of it (vLLM's platform plus kvo's sparse MLA support)."""
+logger = logging.getLogger(__name__)
+_step_aside: list[str] = []
+"""Why kvo's platform plugin did not take over in this process (for later error messages)."""
+
+
+def step_aside_reason() -> str | None:
+    """Why kvo's platform plugin stepped aside in this process, if it did."""
+    return _step_aside[0] if _step_aside else None
+
+
+def _aside(reason: str, level: int = logging.INFO) -> None:
+    _step_aside[:] = [reason]
+    logger.log(level, "kvo: platform plugin steps aside, vLLM keeps its own platform: %s",
+               reason)
 
 
 def platform_plugin() -> str | None:
-    """vLLM platform plugin: kvo's CPU platform on a vLLM CPU build, else nothing."""
-    if os.environ.get(PLATFORM_ENV_VAR, "1") == "0":
-        return None
-    from vllm.platforms import cpu_platform_plugin
+    """vLLM platform plugin: kvo's subclass of vLLM's CPU platform, or None (vLLM's own)."""
+    return _choose_platform()
 
-    if cpu_platform_plugin() is None:
+
+@functools.cache  # vLLM calls a platform plugin twice per process: decide (and log) once
+def _choose_platform() -> str | None:
+    try:
+        join_vllm_logging()
+        if os.environ.get(PLATFORM_ENV_VAR, "1") == "0":
+            _aside(f"{PLATFORM_ENV_VAR}=0 (kvo's sparse MLA support is off)")
+            return None
+        from vllm.platforms import cpu_platform_plugin
+
+        vllm_choice = cpu_platform_plugin()
+        if vllm_choice is None:
+            _step_aside[:] = ["this vLLM is not a CPU build; kvo's sparse MLA backend runs "
+                              "on vLLM's CPU platform only"]
+            logger.debug("kvo: %s", _step_aside[0])
+            return None
+        from kvo_vllm.vllm_version import vllm_supported
+
+        if not vllm_supported("kvo's platform plugin"):
+            _step_aside[:] = ["the vLLM version is outside kvo's supported range"]
+            return None
+        ours = KVO_PLATFORMS.get(vllm_choice)
+        if ours is None:
+            _aside(f"vLLM picks the CPU platform {vllm_choice}, which kvo does not extend "
+                   f"(kvo extends {', '.join(KVO_PLATFORMS)}); sparse MLA models are not "
+                   "served by kvo here")
+            return None
+        module, _, name = ours.rpartition(".")
+        getattr(importlib.import_module(module), name)  # it must load, or vLLM cannot start
+    except Exception as error:  # any fault in kvo: vLLM still starts
+        _step_aside[:] = [f"kvo's platform plugin failed ({type(error).__name__}: {error})"]
+        logger.exception("kvo: the platform plugin failed; it steps aside and vLLM keeps its "
+                         "own platform (dense models serve as without kvo, sparse MLA models "
+                         "are not served by kvo)")
         return None
-    return PLATFORM_CLASS
+    logger.info("kvo: platform plugin takes over: %s (vLLM's %s, plus kvo's sparse MLA backend "
+                "for DeepSeek-V3.2-style models; every other model runs exactly as on vLLM's "
+                "platform; %s=0 turns this off)", ours, vllm_choice, PLATFORM_ENV_VAR)
+    return ours
 
 
 def register() -> None:
-    """vLLM general plugin: kvo's CPU indexer op and model classes, when kvo's platform runs."""
-    from vllm.platforms import current_platform
+    """vLLM general plugin: kvo's CPU indexer op and model classes when kvo's platform runs;
+    elsewhere, a guard that refuses kvo's sparse settings naming the platform."""
+    try:
+        join_vllm_logging()
+        from vllm.platforms import current_platform
 
-    from kvo_vllm.dsa.platform import KvoCpuPlatform
+        from kvo_vllm.dsa.platform import KvoCpuPlatform
 
-    if not isinstance(current_platform, KvoCpuPlatform):
-        return
-    from kvo_vllm.dsa.registration import register_dsa_components
+        if not isinstance(current_platform, KvoCpuPlatform):
+            from kvo_vllm.dsa.elsewhere import refuse_sparse_settings_on
 
-    register_dsa_components()
+            refuse_sparse_settings_on(current_platform, step_aside_reason())
+            return
+        from kvo_vllm.dsa.registration import register_dsa_components
+
+        register_dsa_components()
+    except Exception:  # any fault in kvo: vLLM still starts
+        logger.exception("kvo: the general plugin failed; kvo's sparse MLA components are not "
+                         "registered (dense models serve as without kvo)")

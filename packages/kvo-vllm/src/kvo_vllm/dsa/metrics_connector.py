@@ -35,6 +35,8 @@ from kvo_vllm.metrics import (
     Metric,
 )
 from kvo_vllm.remote_d2h.stats_file import StatsFile
+from kvo_vllm.vllm_logging import join_vllm_logging
+from kvo_vllm.vllm_version import require_supported_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,6 +59,8 @@ class KvoOffloadMetricsConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
+        require_supported_vllm(type(self).__name__)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class refused None
         if transfer.kv_role != "kv_both":

@@ -1,8 +1,10 @@
 """kvo's vLLM CPU platform: vLLM's ``CpuPlatform`` plus sparse MLA (DeepSeek-V3.2) support.
 
 An out-of-tree platform plugin wins over vLLM's builtin CPU platform (vLLM 0.32 picks the one
-activated OOT plugin), so this class must behave exactly like ``CpuPlatform`` for every model
-that is not a sparse MLA model: both methods below return or change nothing else for those.
+activated OOT plugin), so kvo subclasses the platform vLLM would have picked (``CpuPlatform``,
+or ``ZenCpuPlatform`` on AMD Zen with zentorch: ``KvoZenCpuPlatform``) and must behave exactly
+like it for every model that is not a sparse MLA model: both methods below return or change
+nothing else for those (and a fault while telling a model's kind leaves it to vLLM's class).
 
 For a model with a lightning indexer (``index_topk`` in its config) and MLA:
 
@@ -27,6 +29,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.zen_cpu import ZenCpuPlatform
 
 from kvo_vllm.dsa.config import is_sparse_mla_model, sparse_config_for
 
@@ -36,7 +39,20 @@ SPARSE_MLA_BACKEND = "kvo_vllm.dsa.backend.KvoSparseMLABackend"
 DSA_BLOCK_SIZE = 64
 
 
+def _serves_sparse_mla(vllm_config: Any) -> bool:
+    """Whether kvo changes anything for this engine; a fault while telling leaves the model to
+    vLLM's platform (logged), so it cannot stop a dense model from serving."""
+    try:
+        return is_sparse_mla_model(vllm_config.model_config)
+    except Exception:  # kvo steps aside for this model
+        logger.exception("kvo: could not tell whether the model is a sparse MLA model; kvo's "
+                         "platform leaves it to vLLM's platform")
+        return False
+
+
 class KvoCpuPlatform(CpuPlatform):
+    """vLLM's ``CpuPlatform`` plus kvo's sparse MLA support."""
+
     @classmethod
     def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any,
                              num_heads: int | None = None) -> str:
@@ -50,7 +66,7 @@ class KvoCpuPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        if not is_sparse_mla_model(vllm_config.model_config):
+        if not _serves_sparse_mla(vllm_config):
             super().check_and_update_config(vllm_config)
             return
         cache = vllm_config.cache_config
@@ -71,3 +87,9 @@ class KvoCpuPlatform(CpuPlatform):
 
         configure_mode(vllm_config, config)
         logger.info("kvo: sparse MLA model, block size %d, %s", cache.block_size, config)
+
+
+class KvoZenCpuPlatform(KvoCpuPlatform, ZenCpuPlatform):
+    """vLLM's ``ZenCpuPlatform`` (AMD Zen with zentorch) plus kvo's sparse MLA support: the
+    methods above, with ``super()`` reaching ZenCpuPlatform first (not tested here: no Zen CPU
+    with zentorch)."""

@@ -65,6 +65,8 @@ from kvo_vllm.metrics import (
     KvoMetricsReporting,
     Metric,
 )
+from kvo_vllm.vllm_logging import join_vllm_logging
+from kvo_vllm.vllm_version import require_supported_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,6 +116,8 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
+        require_supported_vllm(type(self).__name__)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = LayerwiseOffloadConfig.from_extra_config(
             extra, ignore_keys=(STORE_OPTIONS_KEY,))

@@ -70,6 +70,8 @@ from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
 from kvo_vllm.remote_d2h.stats_file import StatsFile
 from kvo_vllm.remote_d2h.switch_interval import shorten_switch_interval
+from kvo_vllm.vllm_logging import join_vllm_logging
+from kvo_vllm.vllm_version import require_supported_vllm
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -118,6 +120,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig, *, gates: SlotGates | None = None,
                  slot_key_of: Callable[[str], SlotKey] | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
+        require_supported_vllm(type(self).__name__)
         transfer = self._kv_transfer_config
         self.options = RemoteD2HOptions.from_extra_config(transfer.kv_connector_extra_config)
         self.is_producer = transfer.is_kv_producer

@@ -58,6 +58,8 @@ from kvo_vllm.metrics import (
 )
 from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
 from kvo_vllm.remote_d2h.stats_file import StatsFile
+from kvo_vllm.vllm_logging import join_vllm_logging
+from kvo_vllm.vllm_version import require_supported_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,6 +138,8 @@ class KvoMultiConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()
+        require_supported_vllm(type(self).__name__)
         self.options = MultiOptions.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
         self.layerwise = LayerwiseStoreConnector(
