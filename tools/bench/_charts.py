@@ -9,6 +9,13 @@ Charted, by benchmark name (the ``benchmark`` key or the file's stem):
 - residency_capacity: hit rate and LRU/Belady misses vs hot capacity (1x..4x top-k);
 - residency: kvo's native op vs vllm-ascend's host LRU, time per layer-step, per shape;
 - e2e: TTFT and decode tokens/s, plain vs P/D, per prompt length;
+- sparse_vllm: decode step time, device KV and H2D per step, offload vs resident, per case;
+- sparse_budget: output tokens/s, device KV against the budget, running / preempted requests;
+- e2e_layerwise: prefill TTFT plain vs layerwise (vs vLLM's MooncakeStoreConnector), overhead;
+- connector_cost: each store connector's cost per prompt length, and its calls' time by group;
+- sparse_decode: the offload engine's step time, device main KV and H2D, offload vs resident;
+- kernels: time per fused op and implementation; transport: pull bandwidth and the control
+  round trip; store_outage: store calls with the master down; frame_auth: MAC vs codec time;
 - pull latency per layer (the demo's and e2e's per-layer read statistics).
 """
 
@@ -200,10 +207,264 @@ def demo_summary_figure(report: Record) -> Figure:
     return figure
 
 
+def _case_labels(rows: Sequence[Record]) -> list[str]:
+    return [f"ctx {r['context']}\nB={r['batch']}" for r in rows]
+
+
+def _grouped_bars(axes: Any, labels: Sequence[str],
+                  series: Sequence[tuple[str, Sequence[float]]]) -> None:
+    """Bars of several series side by side per label, with the labels under each group."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series):
+        axes.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    axes.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels,
+                    fontsize=7)
+
+
+def sparse_vllm_figure(result: Record) -> Figure:
+    """Offload vs resident inside vLLM per (context, batch): decode step time, device KV, and
+    host -> device MiB per step against a full reload."""
+    rows = sorted(result["rows"], key=lambda r: (r["context"], r["batch"]))
+    labels = _case_labels(rows)
+    figure, (steps, kv, h2d) = plt.subplots(1, 3, figsize=(15, 4))
+    _grouped_bars(steps, labels, [("resident", [r["resident_step_ms"] for r in rows]),
+                                  ("offload", [r["offload_step_ms"] for r in rows])])
+    steps.set_xlabel("case (context tokens, batch)")
+    steps.set_ylabel("decode step (ms, median)")
+    steps.set_title("Decode step time")
+    steps.legend()
+    _grouped_bars(kv, labels, [("resident", [r["resident_device_kv_mib"] for r in rows]),
+                               ("offload", [r["offload_device_kv_mib"] for r in rows])])
+    kv.set_xlabel("case (context tokens, batch)")
+    kv.set_ylabel("device KV (MiB)")
+    kv.set_title("Device KV of the batch")
+    kv.legend()
+    _grouped_bars(h2d, labels, [
+        ("full reload", [r.get("full_reload_mib_per_step", float("nan")) for r in rows]),
+        ("kvo offload", [r.get("h2d_mib_per_step", float("nan")) for r in rows])])
+    h2d.set_xlabel("case (context tokens, batch)")
+    h2d.set_ylabel("host -> device per step (MiB)")
+    h2d.set_title("H2D per decode step")
+    h2d.legend()
+    figure.suptitle("Sparse MLA in vLLM-CPU: offload vs resident")
+    figure.tight_layout()
+    return figure
+
+
+def sparse_budget_figure(result: Record) -> Figure:
+    """Resident vs offload under one device KV budget: output tokens/s, device KV against the
+    budget, and requests running together / preempted."""
+    rows = list(result["rows"])
+    modes = [r["mode"] for r in rows]
+    figure, (speed, kv, sched) = plt.subplots(1, 3, figsize=(15, 4))
+    speed.bar(modes, [r["output_tokens_per_s"] for r in rows], label="output tokens/s")
+    speed.set_xlabel("main KV (mode)")
+    speed.set_ylabel("output tokens/s (median run)")
+    speed.set_title("Throughput" + (f" (offload {result['offload_speedup']:.2f}x)"
+                                    if result.get("offload_speedup") is not None else ""))
+    speed.legend()
+    kv.bar(modes, [r["device_kv_mib"] for r in rows], label="device KV bound")
+    kv.axhline(rows[0]["budget_mib"], color="tab:red", linestyle="--", label="budget")
+    kv.set_xlabel("main KV (mode)")
+    kv.set_ylabel("device KV (MiB)")
+    kv.set_title("Device KV vs budget")
+    kv.legend()
+    _grouped_bars(sched, modes, [("most running", [r["most_running"] for r in rows]),
+                                 ("preemptions", [r["preemptions"] for r in rows])])
+    sched.set_xlabel("main KV (mode)")
+    sched.set_ylabel("requests (count)")
+    sched.set_title("Scheduling")
+    sched.legend()
+    figure.suptitle("Many long requests under one device KV budget")
+    figure.tight_layout()
+    return figure
+
+
+def e2e_layerwise_figure(result: Record) -> Figure:
+    """Prefill TTFT per prompt length, plain vs kvo's layerwise offload (vs the peer), and the
+    overhead over plain against the target."""
+    rows = sorted(result["results"], key=lambda r: r["prompt_tokens"])
+    lengths = [r["prompt_tokens"] for r in rows]
+    figure, (ttft, overhead) = plt.subplots(1, 2, figsize=(10, 4))
+    for flavour, label in (("plain", "plain (no offload)"), ("layerwise", "kvo layerwise"),
+                           ("peer", "vLLM MooncakeStoreConnector")):
+        values = [r.get(f"ttft_{flavour}_s") for r in rows]
+        if any(v is not None for v in values):
+            ttft.plot(lengths, [1e3 * v if v is not None else float("nan") for v in values],
+                      "o-", label=label)
+    ttft.set_xlabel("prompt length (tokens)")
+    ttft.set_ylabel("time to first token (ms, median)")
+    ttft.set_title("Prefill TTFT")
+    ttft.legend()
+    overhead.plot(lengths, [r["overhead_pct"] for r in rows], "o-", label="kvo layerwise")
+    if any(r.get("peer_overhead_pct") is not None for r in rows):
+        overhead.plot(lengths, [r.get("peer_overhead_pct", float("nan")) for r in rows], "s--",
+                      label="vLLM MooncakeStoreConnector")
+    if result.get("target_overhead_pct") is not None:
+        overhead.axhline(result["target_overhead_pct"], color="tab:red", linestyle=":",
+                         label="target")
+    overhead.set_xlabel("prompt length (tokens)")
+    overhead.set_ylabel("TTFT overhead over plain (%, median round)")
+    overhead.set_title("Offload overhead")
+    overhead.legend()
+    figure.suptitle("Layerwise prefill offload: TTFT")
+    figure.tight_layout()
+    return figure
+
+
+def connector_cost_figure(result: Record) -> Figure:
+    """Per connector: its cost to a cold prefill per prompt length (paired differences in one
+    engine), and the time inside its calls by group at the longest prompt."""
+    rows = sorted(result["results"], key=lambda r: r["prompt_tokens"])
+    names = [*result.get("kvo_plans", ["kvo"]), "peer"]
+    names = [n for n in names if all(n in r for r in rows)]
+    lengths = [r["prompt_tokens"] for r in rows]
+    figure, (cost, calls) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        cost.plot(lengths, [1e3 * r[name]["cost_s"] for r in rows], "o-", label=name)
+    cost.axhline(0.0, color="grey", linewidth=0.8)
+    cost.set_xlabel("prompt length (tokens)")
+    cost.set_ylabel("cost to TTFT (ms, median paired difference)")
+    cost.set_title("Connector cost per cold prefill")
+    cost.legend()
+    longest = rows[-1]
+    groups = [g for g in longest[names[0]]["hook_s"]
+              if g not in ("total", "total_less_copy", "copy")]
+    bottoms = [0.0] * len(names)
+    for group in groups:
+        values = [1e3 * longest[name]["hook_s"].get(group, 0.0) for name in names]
+        calls.bar(names, values, bottom=bottoms, label=group)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    calls.set_xlabel(f"connector (prompt of {longest['prompt_tokens']} tokens)")
+    calls.set_ylabel("time in its calls per request (ms, median)")
+    calls.set_title("Where the connector's time goes")
+    calls.legend(fontsize=7)
+    figure.suptitle("Store connector cost inside one engine")
+    figure.tight_layout()
+    return figure
+
+
+def sparse_decode_figure(result: Record) -> Figure:
+    """The offload engine outside vLLM per run (requests x capacity): step time resident (a)
+    vs offload (b), device main KV, and H2D per step against a full reload."""
+    rows = list(result["results"])
+    labels = [f"R={r['settings']['requests']}\nC={r['settings']['capacity']}" for r in rows]
+    figure, (steps, kv, h2d) = plt.subplots(1, 3, figsize=(15, 4))
+    _grouped_bars(steps, labels, [("(a) resident", [r["step_ms_a"] for r in rows]),
+                                  ("(b) offload", [r["step_ms_b"] for r in rows])])
+    steps.set_xlabel("run (requests R, hot capacity C in rows)")
+    steps.set_ylabel("decode step (ms, median)")
+    steps.set_title("Decode step time")
+    steps.legend()
+    _grouped_bars(kv, labels, [
+        ("(a) resident", [r["device_main_kv_bytes_a"] / 2**20 for r in rows]),
+        ("(b) offload", [r["device_main_kv_bytes_b"] / 2**20 for r in rows])])
+    kv.set_xlabel("run (requests R, hot capacity C in rows)")
+    kv.set_ylabel("device main KV (MiB)")
+    kv.set_title("Device main KV")
+    kv.legend()
+    _grouped_bars(h2d, labels, [
+        ("full reload", [r["full_reload_bytes_per_step"] / 2**20 for r in rows]),
+        ("kvo offload", [r["h2d_bytes_per_step_steady"] / 2**20 for r in rows])])
+    h2d.set_xlabel("run (requests R, hot capacity C in rows)")
+    h2d.set_ylabel("host -> device per step (MiB)")
+    h2d.set_title("H2D per decode step (steady)")
+    h2d.legend()
+    figure.suptitle("Sparse decode offload engine: offload vs resident")
+    figure.tight_layout()
+    return figure
+
+
+def kernels_figure(result: Record) -> Figure:
+    """Time per fused op and implementation, per context length."""
+    rows = list(result["results"])
+    ops = list(rows[0]["times_ms"]) if rows else []
+    labels = [f"{r['implementation']} ({r['device']})\n{r['tokens'] // 1024}K" for r in rows]
+    figure, axes = plt.subplots(figsize=(max(6, 1.2 * len(rows) * max(1, len(ops)) / 2), 4))
+    _grouped_bars(axes, labels, [(op, [r["times_ms"].get(op, float("nan")) for r in rows])
+                                 for op in ops])
+    axes.set_xlabel("implementation (device), context length in tokens")
+    axes.set_ylabel("time per call (ms, median)")
+    axes.set_title(f"Fused ops, top-k {result.get('top_k')}")
+    axes.legend(fontsize=7)
+    return figure
+
+
+def transport_figure(result: Record) -> Figure:
+    """Pull bandwidth per scenario (raw engine, kvo, same-host, memcpy) and, when measured,
+    the READY -> DONE control round trip per mode."""
+    rows = list(result["pull"])
+    roundtrip = result.get("control_roundtrip")
+    figure, panels = plt.subplots(1, 2 if roundtrip else 1, figsize=(12 if roundtrip else 7, 4),
+                                  squeeze=False)
+    pull = panels[0][0]
+    _grouped_bars(pull, [r["scenario"] for r in rows], [
+        (name, [r.get(key, float("nan")) for r in rows])
+        for name, key in (("raw engine", "raw_gbps"), ("kvo", "kvo_gbps"),
+                          ("same-host", "same_host_gbps"), ("memcpy", "memcpy_gbps"))
+        if any(key in r for r in rows)])
+    pull.set_xlabel("scenario (batch shape)")
+    pull.set_ylabel("bandwidth (GB/s, median)")
+    pull.set_title("Remote pull bandwidth")
+    pull.legend()
+    if roundtrip:
+        modes = [m for m in ("kvo_pump", "kvo_pump_auth", "kvo_io_thread", "raw_zmq")
+                 if f"{m}_p50_us" in roundtrip]
+        trip = panels[0][1]
+        _grouped_bars(trip, modes, [("p50", [roundtrip[f"{m}_p50_us"] for m in modes]),
+                                    ("p99", [roundtrip[f"{m}_p99_us"] for m in modes])])
+        trip.set_xlabel("control plane (mode)")
+        trip.set_ylabel("READY -> DONE round trip (us)")
+        trip.set_title("Control round trip")
+        trip.legend()
+    figure.tight_layout()
+    return figure
+
+
+def store_outage_figure(result: Record) -> Figure:
+    """Seconds each store call takes after the Mooncake master died, per client variant."""
+    rows = list(result["store_outage"])
+    kinds = ["first_call", *[k[:-2] for k in rows[0] if k.endswith("_s")
+                             and k not in ("first_call_s",)]] if rows else []
+    figure, axes = plt.subplots(figsize=(9, 4))
+    _grouped_bars(axes, [r["variant"] for r in rows],
+                  [(kind, [r[f"{kind}_s"] for r in rows]) for kind in kinds])
+    axes.axhline(1.0, color="tab:red", linestyle=":", label="target (1 s)")
+    axes.set_xlabel("store client (variant)")
+    axes.set_ylabel("call time with the master down (s, median)")
+    axes.set_title("Store calls during a master outage")
+    axes.legend(fontsize=7)
+    return figure
+
+
+def frame_auth_figure(result: Record) -> Figure:
+    """Per control frame size: MAC seal and open time against msgpack encode + decode."""
+    rows = list(result["frame_auth"])
+    labels = [f"{r['frame']}\n{r['payload_bytes']} B" for r in rows]
+    figure, axes = plt.subplots(figsize=(max(6, 1.5 * len(rows) + 2), 4))
+    _grouped_bars(axes, labels, [("seal (MAC)", [r["seal_us"] for r in rows]),
+                                 ("open (MAC)", [r["open_us"] for r in rows]),
+                                 ("msgpack encode+decode", [r["encode_decode_us"] for r in rows])])
+    axes.set_xlabel("control frame (payload size)")
+    axes.set_ylabel("time per frame (us, median)")
+    axes.set_title("Frame authentication cost")
+    axes.legend()
+    return figure
+
+
 CHARTS: dict[str, Callable[[Record], Figure]] = {
     "residency_capacity": residency_capacity_figure,
     "residency": residency_speed_figure,
     "e2e": latency_figure,
+    "sparse_vllm": sparse_vllm_figure,
+    "sparse_budget": sparse_budget_figure,
+    "e2e_layerwise": e2e_layerwise_figure,
+    "connector_cost": connector_cost_figure,
+    "sparse_decode": sparse_decode_figure,
+    "kernels": kernels_figure,
+    "transport": transport_figure,
+    "store_outage": store_outage_figure,
+    "frame_auth": frame_auth_figure,
 }
 
 
