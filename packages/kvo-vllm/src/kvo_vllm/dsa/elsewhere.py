@@ -18,6 +18,7 @@ from typing import Any
 
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.config import ADDITIONAL_CONFIG_KEY, ENV_VAR
+from kvo_vllm.dsa.decision import announce
 
 logger = logging.getLogger(__name__)
 _GUARD_MARK = "_kvo_refuses_sparse_settings"
@@ -50,11 +51,12 @@ def check_no_sparse_settings(vllm_config: Any, platform: Any, reason: str | None
 def refuse_sparse_settings_on(platform: Any, reason: str | None) -> None:
     """Wrap ``platform.check_and_update_config`` (this process's platform object) with the
     check above; idempotent."""
-    if getattr(platform, _GUARD_MARK, False):
+    if vars(platform).get(_GUARD_MARK):  # not getattr: vLLM's Platform warns on a miss
         return
     original: Callable[[Any], None] = platform.check_and_update_config
 
     def check_and_update_config(vllm_config: Any) -> None:
+        announce()  # the platform plugin's decision, now that vLLM's logging is set up
         check_no_sparse_settings(vllm_config, platform, reason)
         original(vllm_config)
 

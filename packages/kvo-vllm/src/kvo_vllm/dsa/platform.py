@@ -32,6 +32,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.zen_cpu import ZenCpuPlatform
 
 from kvo_vllm.dsa.config import is_sparse_mla_model, sparse_config_for
+from kvo_vllm.dsa.decision import announce
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,7 @@ class KvoCpuPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
+        announce()  # the platform plugin's decision, now that vLLM's logging is set up
         if not _serves_sparse_mla(vllm_config):
             super().check_and_update_config(vllm_config)
             return
