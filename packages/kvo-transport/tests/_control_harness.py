@@ -293,7 +293,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
         command = commands.get(timeout=120)
         done, bad = receiver.pop_finished()
         finished |= done
-        failed.update(bad)
+        for request_id, reason in bad.items():  # the first failure says what went wrong
+            failed.setdefault(request_id, reason)
         if isinstance(command, tuple) and command[0] == "stalls":
             engine.stalls = dict(command[1])
             events.put(("stalls",))
