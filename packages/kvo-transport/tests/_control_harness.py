@@ -23,11 +23,22 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import zmq
 
 from kvo_core.gates import RequestCompletionTracker, SlotGates
 from kvo_transport.engine import DelegatingEngine, TransferEngine, create_transfer_engine
 from kvo_transport.errors import TransferError
-from kvo_transport.protocol import LayerMeta, TensorGroup
+from kvo_transport.protocol import (
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    HandshakeAnswer,
+    LayerMeta,
+    MfMeta,
+    ReadDone,
+    ReadReadyBatch,
+    TensorGroup,
+    encode,
+)
 from kvo_transport.read_plan import (
     DecodeLayout,
     DestinationGroup,
@@ -282,7 +293,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
         command = commands.get(timeout=120)
         done, bad = receiver.pop_finished()
         finished |= done
-        failed.update(bad)
+        for request_id, reason in bad.items():  # the first failure says what went wrong
+            failed.setdefault(request_id, reason)
         if isinstance(command, tuple) and command[0] == "stalls":
             engine.stalls = dict(command[1])
             events.put(("stalls",))
@@ -393,6 +405,62 @@ class DecodeProcess:
         self.process.kill()
         self.process.join(5)
 
+
+# -- a misbehaving decode in the test process --------------------------------------------------
+
+class FakeDecode:
+    """A ROUTER that accepts handshakes and answers READYs per ``policy(batch) -> answer``.
+
+    ``policy`` returns a list of frames to send back (possibly none: a lost acknowledgement).
+    ``handover``: let a new connection take over a connected peer's routing id (ZMQ's
+    ROUTER_HANDOVER; the old connection is then never read again).
+    """
+
+    def __init__(self, policy: Callable[[ReadReadyBatch], list[Any]],
+                 answer_handshake: bool = True, max_frame_bytes: int | None = None,
+                 handover: bool = False) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, int(handover))
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.policy = policy
+        self.answer_handshake = answer_handshake
+        self.limit = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
+        self.seen: list[Any] = []
+        self.handshakes_from: list[bytes] = []
+        """The routing id of every handshake, in arrival order."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        decoder = FrameDecoder()
+        while not self._stop.is_set():
+            if not self.socket.poll(20):
+                continue
+            identity, frame = self.socket.recv_multipart()
+            message = decoder.decode(frame)
+            self.seen.append(message)
+            if isinstance(message, MfMeta):
+                self.handshakes_from.append(identity)
+                if self.answer_handshake:
+                    self.socket.send_multipart([identity, encode(HandshakeAnswer(
+                        version=PROTOCOL_VERSION, accepted=True, **self.limit))])
+            else:
+                for answer in self.policy(message):
+                    self.socket.send_multipart([identity, encode(answer)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.socket.close()
+        self.context.term()
+
+
+def done(batch: ReadReadyBatch) -> ReadDone:
+    return ReadDone(version=PROTOCOL_VERSION, seq=batch.seq, layer_index=batch.layer_index)
 
 # -- the prefill side in the test process ------------------------------------------------------
 

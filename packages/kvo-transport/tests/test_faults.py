@@ -7,7 +7,6 @@ delays answers. Every wait is bounded.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,8 +17,10 @@ import zmq
 from _control_harness import (
     DecodeProcess,
     DecodeSpec,
+    FakeDecode,
     Geometry,
     ShmBuffer,
+    done,
     fill_random,
     layer_metas,
     shm_buffers,
@@ -37,9 +38,7 @@ from kvo_transport.protocol import (
     PROTOCOL_VERSION,
     Fence,
     FrameDecoder,
-    HandshakeAnswer,
     MfMeta,
-    ReadDone,
     ReadFailed,
     ReadReadyBatch,
     ReadyRequest,
@@ -114,56 +113,6 @@ def pop_until(tracker: RequestCompletionTracker, request_id: str) -> tuple[set[s
 def block_bytes(buffer: ShmBuffer, layer: int, kind: str, block: int) -> bytes:
     size = dict(main=GEOMETRY.main[0], indexer=GEOMETRY.indexer[0])[kind]
     return buffer.read(GEOMETRY.block_offset(layer, kind, 0, block), size)
-
-
-# -- a misbehaving decode in the test process --------------------------------------------------
-
-class FakeDecode:
-    """A ROUTER that accepts handshakes and answers READYs per ``policy(batch) -> answer``.
-
-    ``policy`` returns a list of frames to send back (possibly none: a lost acknowledgement).
-    """
-
-    def __init__(self, policy: Callable[[ReadReadyBatch], list[Any]],
-                 answer_handshake: bool = True, max_frame_bytes: int | None = None) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.policy = policy
-        self.answer_handshake = answer_handshake
-        self.limit = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
-        self.seen: list[Any] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        decoder = FrameDecoder()
-        while not self._stop.is_set():
-            if not self.socket.poll(20):
-                continue
-            identity, frame = self.socket.recv_multipart()
-            message = decoder.decode(frame)
-            self.seen.append(message)
-            if isinstance(message, MfMeta):
-                if self.answer_handshake:
-                    self.socket.send_multipart([identity, encode(HandshakeAnswer(
-                        version=PROTOCOL_VERSION, accepted=True, **self.limit))])
-            else:
-                for answer in self.policy(message):
-                    self.socket.send_multipart([identity, encode(answer)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.socket.close()
-        self.context.term()
-
-
-def done(batch: ReadReadyBatch) -> ReadDone:
-    return ReadDone(version=PROTOCOL_VERSION, seq=batch.seq, layer_index=batch.layer_index)
 
 
 # -- the tests ---------------------------------------------------------------------------------

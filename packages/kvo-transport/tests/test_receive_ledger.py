@@ -56,3 +56,19 @@ def test_forgotten_requests_are_never_reported() -> None:
     ledger.forget("s")  # failed but held back, then forgotten: not reported either
     assert ledger.pop_finished(settled) == (set(), {})
     assert ledger.invalid("r") == InvalidBlocks()
+
+
+def test_a_failure_held_back_keeps_its_first_reason_when_later_layers_fail_again() -> None:
+    """A prefill that renewed its session may send later layers of a request decode already
+    failed (and holds back until its blocks settle): their failure must not replace the reason."""
+    ledger = ReceiveLedger()
+    ledger.expect("r", "p", frozenset({"p/p0"}))
+    ledger.layer_failed("r", "p/p0", "layer 0: fence: the prefill reused the source")
+    quiet = {"now": False}
+    assert ledger.pop_finished(lambda invalid: quiet["now"]) == (set(), {})
+    ledger.expect("r", "p", frozenset({"p/p0"}))  # layer 3 arrives on the new session
+    ledger.layer_done("r", "p/p0", 3, 4, last=True, label="prefill p0")
+    assert ledger.pop_finished(lambda invalid: quiet["now"]) == (set(), {})
+    quiet["now"] = True
+    assert ledger.pop_finished(lambda invalid: quiet["now"]) == (
+        set(), {"r": "p/p0: layer 0: fence: the prefill reused the source"})

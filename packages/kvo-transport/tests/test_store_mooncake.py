@@ -164,6 +164,34 @@ def test_options_are_validated() -> None:
         create_kv_store("mooncake", master_address="127.0.0.1:1", segment=1)
     with pytest.raises(ConfigError, match="'redis' is not known; allowed: mooncake, memcache"):
         create_kv_store("redis")
+    for bad in (-1, True, "1", 601):
+        with pytest.raises(ConfigError, match=rf"call_timeout_s={bad!r} must be between 0 and "
+                                              rf"600 seconds \(0: unbounded calls\)"):
+            create_kv_store("mooncake", master_address="127.0.0.1:1", call_timeout_s=bad)
+
+
+@pytest.mark.parametrize("call_timeout_s", [0, 5.0], ids=["direct", "bounded"])
+def test_bounded_and_direct_calls_move_the_same_bytes(master: MooncakeMaster,
+                                                      buf: torch.Tensor,
+                                                      call_timeout_s: float) -> None:
+    store = create_kv_store("mooncake", master_address=master.address,
+                            call_timeout_s=call_timeout_s)
+    try:
+        base = buf.data_ptr()
+        store.register(base, buf.numel())
+        buf[:8192] = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+        keys = [f"bounded-{call_timeout_s}-{i}" for i in range(2)]
+        store.put_from(keys, [base, base + 4096], [4096, 4096])
+        assert store.get_into([keys[1], "absent", keys[0]],
+                              [base + 16384, base + 20480, base + 24576],
+                              [4096, 4096, 4096]) == [True, False, True]
+        assert bytes(buf[16384:20480].tolist()) == bytes(buf[4096:8192].tolist())
+        assert bytes(buf[24576:28672].tolist()) == bytes(buf[:4096].tolist())
+        assert store.exists(keys + ["absent"]) == [True, True, False]
+        store.remove(keys)
+        assert store.exists(keys) == [False, False]
+    finally:
+        store.close()
 
 
 def test_closed_store_refuses_calls(master: MooncakeMaster) -> None:

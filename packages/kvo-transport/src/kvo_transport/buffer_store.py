@@ -8,12 +8,15 @@ names a return code.
 
 Every store call goes through a circuit breaker (circuit_breaker.py, decorator ``guarded``): once
 the store is known to be down, calls fail at once with StoreUnavailableError; a backend with a
-health probe (Mooncake: its master's TCP port) notices an outage and a recovery in the
-background. Closing is bounded: the regions are dropped first (a local call), then a client
-whose service is down (breaker not closed, or the probe fails now) is abandoned instead of
-closed: Mooncake's close retries a dead master for 7-11 s while holding the GIL (measured), so
-no thread could bound it. An abandoned client no longer touches kvo's memory (its regions are
-unregistered) and is kept alive until the process exits.
+health probe (Mooncake: a bounded RPC to its master) notices an outage and a recovery in the
+background. A backend may bound each call (bounded_calls.py: the call runs in a worker thread
+and fails after ``call_timeout_s``; an abandoned call only ever holds bounce memory, never the
+caller's). Closing is bounded: the regions are dropped first (a local call), then a client
+whose service is down (breaker not closed, the probe fails now, or an abandoned call is still
+running) is abandoned instead of closed: Mooncake's close retries a dead master for 7-11 s while
+holding the GIL (measured), so no thread could bound it. An abandoned client no longer touches
+kvo's memory (its regions are unregistered; its bounce memory stays mapped) and is kept alive
+until the process exits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from kvo_transport.bounded_calls import BoundedCalls
 from kvo_transport.circuit_breaker import BreakerState, CircuitBreaker, HealthWatcher, Probe
 from kvo_transport.errors import StoreArgumentError, StoreError, StoreUnavailableError
 from kvo_transport.region_owner import RegionOwner
@@ -83,15 +87,19 @@ class BufferStore(RegionOwner):
     """The library's name in messages ("Mooncake", "Memcache")."""
 
     def _start(self, client: Any, description: str, *, probe: Probe | None = None,
-               probe_interval_s: float = 0.25) -> None:
+               probe_interval_s: float = 0.25, call_timeout_s: float = 0.0) -> None:
         """``description`` names the client in errors, e.g. the master it talks to; ``probe``
-        (optional) checks the service's health every ``probe_interval_s`` in the background."""
+        (optional) checks the service's health every ``probe_interval_s`` in the background;
+        ``call_timeout_s`` > 0 bounds each call run through ``self._calls``."""
         self._store: Any = client
         self._description = description
         self._probe = probe
-        self._breaker = CircuitBreaker(name=f"{self._label} store {description}",
-                                       open_error=StoreUnavailableError,
+        name = f"{self._label} store {description}"
+        self._breaker = CircuitBreaker(name=name, open_error=StoreUnavailableError,
                                        has_probe=probe is not None)
+        self._calls = BoundedCalls(
+            name, call_timeout_s, register=lambda ptr, n: int(client.register_buffer(ptr, n)),
+            unregister=lambda ptr, n: self._unregister_buffer(client, MemoryRegion(ptr, n)))
         self._watcher = (HealthWatcher(self._breaker, probe, probe_interval_s)
                          if probe is not None and probe_interval_s > 0 else None)
         self._own(RegionRegistry(StoreArgumentError))
@@ -143,16 +151,21 @@ class BufferStore(RegionOwner):
             self._watcher.stop()
         client, self._store = self._store, None
         problem = self._service_problem()
+        self._calls.close(client_closes=problem is None)
         if problem is None:
             client.close()
             return
         _abandon(client)
+        _abandoned.append(self._calls)  # its bounce memory may still be written
         log.warning("%s store client %s: not closed because the store is down (%s); its "
                     "regions are unregistered and the client is left to the process exit",
                     self._label, self._description, problem)
 
     def _service_problem(self) -> str | None:
         """Why the service is down now, or None when it seems up."""
+        if self._calls.running:
+            return (f"{self._calls.running} call(s) abandoned on their deadline are still "
+                    f"running in the client")
         if self._breaker.state is not BreakerState.CLOSED:
             return self._breaker.last_error or f"circuit {self._breaker.state.value}"
         return self._probe() if self._probe is not None else None

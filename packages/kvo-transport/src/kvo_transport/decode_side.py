@@ -68,6 +68,7 @@ from kvo_transport.frame_auth import (
 from kvo_transport.protocol import (
     MAX_FENCES_PER_BATCH,
     MAX_FRAME_BYTES,
+    NO_SEQ,
     PROTOCOL_VERSION,
     FrameDecoder,
     HandshakeAnswer,
@@ -78,6 +79,7 @@ from kvo_transport.protocol import (
     SendAborted,
     clip_reason,
     encode,
+    unreadable_ready,
 )
 from kvo_transport.read_plan import (
     DecodeLayout,
@@ -190,7 +192,10 @@ class DecodeReceiver:
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting prefill keeps its id
+        # A connection that claims a routing id already connected is refused (never read), so
+        # no second connection can take a live session over; a prefill whose own connection
+        # is refused that way misses a deadline and reconnects with a new id (prefill_side).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
             if port == 0:
@@ -383,8 +388,7 @@ class DecodeReceiver:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:
             self.rejected_frames += 1
-            log.warning("decode %s: dropping frame from peer %r: %s", self.endpoint,
-                        _peer_name(identity), exc)
+            self._on_undecodable(identity, kind, frame, exc)
             return
         # With a secret, a handshake travels only in a HELLO and a READY only in its session.
         handshake = kind is Kind.HELLO or not self._auth.authenticated
@@ -400,6 +404,52 @@ class DecodeReceiver:
             log.warning("decode %s: dropping %s from peer %r: not a prefill -> decode message "
                         "(or in the wrong envelope)", self.endpoint, type(message).__name__,
                         _peer_name(identity))
+
+    def _on_undecodable(self, identity: bytes, kind: Kind, frame: bytes | memoryview,
+                        error: ProtocolError) -> None:
+        """Answer a frame that does not decode, so its sender never waits for a deadline: a
+        READY whose sequence number can be read gets READ_FAILED with the reason (the requests
+        it names fail here, nothing was read); anything else in an accepted session resets the
+        session (the prefill handshakes again); anything else is logged and dropped."""
+        peer = _peer_name(identity)
+        with self._lock:
+            session = self._sessions.get(identity)
+        ready = unreadable_ready(frame) if kind is Kind.TO_DECODE else None
+        if ready is not None:
+            reason = f"malformed READY: {error}"
+            log.warning("decode %s: READ_FAILED for a malformed READY (layer %d seq %d, requests "
+                        "%s) from %s: %s", self.endpoint, ready.layer_index, ready.seq,
+                        _preview(ready.request_ids),
+                        session.label if session is not None else f"peer {peer!r}", error)
+            if session is not None:
+                for request_id in ready.request_ids:
+                    if self._parking.destination(request_id, self._resolve) is not None:
+                        self._expect(session, request_id)
+                        self._requests.layer_failed(request_id, session.part,
+                                                    f"layer {ready.layer_index}: {reason}")
+            self._reply(identity, ReadFailed(version=PROTOCOL_VERSION, seq=ready.seq,
+                                             layer_index=ready.layer_index,
+                                             reason=clip_reason(reason)))
+            return
+        if session is None or kind is not Kind.TO_DECODE:
+            log.warning("decode %s: dropping a frame from peer %r that does not decode (%s "
+                        "envelope, no accepted session to reset): %s", self.endpoint, peer,
+                        kind.name, error)
+            return
+        reason = f"a frame in this control session does not decode: {error}"
+        log.warning("decode %s: resetting the control session of %s (it must handshake again): "
+                    "%s", self.endpoint, session.label, reason)
+        self._reply(identity, ReadFailed(version=PROTOCOL_VERSION, seq=NO_SEQ, layer_index=0,
+                                         reason=clip_reason(reason), needs_handshake=True))
+        self._forget_session(identity)
+
+    def _forget_session(self, identity: bytes) -> None:
+        """Drop an accepted session: its READYs from now on are refused until a handshake."""
+        with self._lock:
+            self._sessions.pop(identity, None)
+        self._auth.forget(identity)
+        for waiting in self._parking.drop(identity):  # refused in order, as unknown now
+            self._read_layer(identity, waiting)
 
     def _on_rejected(self, identity: bytes, frame: bytes, error: FrameRejectedError) -> None:
         """Count and log a frame that failed authentication; nothing in it is acted on, except

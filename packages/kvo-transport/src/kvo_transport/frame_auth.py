@@ -25,8 +25,9 @@ reach the message decoder.
 Without a secret frames are plain messages (the wire format of protocol.py) and this module
 only guards the deployment: loopback works, with one warning per process that the control
 plane is unauthenticated; a non-loopback address is refused (``require_secret_beyond_loopback``).
-Not covered: confidentiality (frames are not encrypted) and a peer that takes over a
-connection's ZMQ routing id (it can drop frames, not forge them).
+Not covered: confidentiality (frames are not encrypted). A second connection that claims a
+connected prefill's ZMQ routing id is refused by the decode's ROUTER (decode_side.py), so it can
+neither take a session over nor cut it off.
 """
 
 from __future__ import annotations

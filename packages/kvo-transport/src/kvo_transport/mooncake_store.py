@@ -4,16 +4,23 @@ Mooncake's plain put keeps an existing key's old value, so put_from uses the ups
 Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
 because forcing could pull a value from under a concurrent reader.
 
-A master that is down makes calls fail with RPC_FAIL (or, unreachable, block for seconds): such
-failures raise StoreUnavailableError and open the store's circuit breaker (buffer_store.py),
-and a TCP probe of the master's RPC port every ``health_probe_interval_s`` opens it before a
-call has to find out, and half-opens it once the master accepts connections again.
+A master that is down makes calls fail with RPC_FAIL; one that is frozen (its connections still
+accepted) makes each call wait for the client's RPC timeout (30 s). Every call is therefore
+bounded (``call_timeout_s``, bounded_calls.py: it runs in a worker thread, through bounce
+memory, so an abandoned call never writes or reads the caller's ranges later). Such failures
+raise StoreUnavailableError and open the store's circuit breaker (buffer_store.py). A health
+probe every ``health_probe_interval_s`` asks the master something: a TCP connect (a dead master
+fails it at once), then a bounded RPC (an existence query) that a frozen master leaves
+unanswered; it opens the breaker before a call has to find out, and half-opens it once the
+master answers again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,12 +45,14 @@ MOONCAKE_STORE_ERRORS = {
     -707: "LEASE_EXPIRED",
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
 }
 OBJECT_NOT_FOUND = -704
 REPLICA_IS_NOT_READY = -703
 OBJECT_HAS_LEASE = -706
 RPC_FAIL = -900
-UNAVAILABLE = frozenset({RPC_FAIL})
+RPC_TIMEOUT = -901
+UNAVAILABLE = frozenset({RPC_FAIL, RPC_TIMEOUT})
 """Codes that mean the master could not be reached (not a problem of one key)."""
 
 
@@ -59,6 +68,10 @@ def import_mooncake_store_class() -> Any:
     return MooncakeDistributedStore
 
 
+DEFAULT_CALL_TIMEOUT_S = 0.75
+MAX_CALL_TIMEOUT_S = 600.0
+
+
 @attrs.frozen
 class MooncakeStoreOptions:
     """Arguments of MooncakeDistributedStore.setup, plus kvo's remove() patience."""
@@ -72,7 +85,10 @@ class MooncakeStoreOptions:
     rdma_devices: str = ""
     remove_timeout_s: float = 5.0
     health_probe_interval_s: float = 0.25
-    """How often the master's RPC port is probed (TCP connect); 0 turns the probe off."""
+    """How often the master is probed (a TCP connect, then a bounded RPC); 0: no probe."""
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    """The longest a store call may take before it fails (StoreUnavailableError) and opens the
+    circuit breaker; 0: calls go to the client directly, unbounded (no bounce copy)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MooncakeStoreOptions:
@@ -110,6 +126,11 @@ class MooncakeStoreOptions:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
             raise ConfigError(f"mooncake store option health_probe_interval_s={interval!r} must "
                               f"be >= 0 seconds (0: no probe)")
+        bound = made.call_timeout_s
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) \
+                or not 0 <= bound <= MAX_CALL_TIMEOUT_S:
+            raise ConfigError(f"mooncake store option call_timeout_s={bound!r} must be between 0 "
+                              f"and {MAX_CALL_TIMEOUT_S:g} seconds (0: unbounded calls)")
         return made
 
 
@@ -139,8 +160,9 @@ class MooncakeKVStore(BufferStore):
                 f"{rc} (is mooncake_master running there?)"
             )
         self._start(client, f"for master {o.master_address}",
-                    probe=lambda: probe_master(o.master_address, PROBE_TIMEOUT_S),
-                    probe_interval_s=o.health_probe_interval_s)
+                    probe=MasterProbe(client, o.master_address, PROBE_TIMEOUT_S),
+                    probe_interval_s=o.health_probe_interval_s,
+                    call_timeout_s=o.call_timeout_s)
 
     def _code(self, rc: int) -> str:
         return error_name(rc)
@@ -153,7 +175,11 @@ class MooncakeKVStore(BufferStore):
         batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=True)
         if not batch.keys:
             return
-        codes = store.batch_upsert_from(batch.keys, batch.addrs, batch.lengths)
+        keys, lengths = batch.keys, batch.lengths
+        codes = self._calls.put_from(
+            f"put of {len(keys)} keys",
+            lambda sources: store.batch_upsert_from(keys, sources, lengths),
+            batch.addrs, lengths)
         failed = {k: error_name(c) for k, c in zip(batch.keys, codes, strict=True) if c != 0}
         if failed:
             raise _error(codes)(
@@ -174,9 +200,12 @@ class MooncakeKVStore(BufferStore):
         for i, key in enumerate(batch.keys):
             first.setdefault(key, i)
         asked = sorted(first.values())
-        codes = store.batch_get_into([batch.keys[i] for i in asked],
-                                     [batch.addrs[i] for i in asked],
-                                     [batch.lengths[i] for i in asked])
+        asked_keys = [batch.keys[i] for i in asked]
+        asked_lengths = [batch.lengths[i] for i in asked]
+        codes = self._calls.get_into(
+            f"get of {len(asked_keys)} keys",
+            lambda destinations: store.batch_get_into(asked_keys, destinations, asked_lengths),
+            [batch.addrs[i] for i in asked], asked_lengths)
         code_of = dict(zip(asked, codes, strict=True))
         codes = [code_of[first[key]] for key in batch.keys]
         found: list[bool] = []
@@ -208,7 +237,8 @@ class MooncakeKVStore(BufferStore):
         checked = check_keys(keys)
         if not checked:
             return []
-        codes = store.batch_is_exist(checked)
+        codes = self._calls.call(f"exists() of {len(checked)} keys",
+                                 lambda: store.batch_is_exist(checked))
         failed = {k: error_name(c) for k, c in zip(checked, codes, strict=True)
                   if c not in (0, 1)}
         if failed:
@@ -221,7 +251,8 @@ class MooncakeKVStore(BufferStore):
         pending = check_keys(keys)
         deadline = time.monotonic() + self.options.remove_timeout_s
         while pending:
-            codes = store.batch_remove(pending)
+            codes = self._calls.call(f"remove of {len(pending)} keys",
+                                     functools.partial(store.batch_remove, pending))
             leased = [k for k, c in zip(pending, codes, strict=True) if c == OBJECT_HAS_LEASE]
             failed = {
                 k: error_name(c)
@@ -241,11 +272,60 @@ class MooncakeKVStore(BufferStore):
 
 
 PROBE_TIMEOUT_S = 0.5
+PROBE_KEY = "kvo/health-probe"
+"""Asked for by the RPC probe; nothing stores it."""
 
 
 def _error(codes: Sequence[int]) -> type[StoreError]:
     """StoreUnavailableError when a code says the master was not reached."""
     return StoreUnavailableError if UNAVAILABLE.intersection(codes) else StoreError
+
+
+class MasterProbe:
+    """The store's health probe: a TCP connect to the master, then an RPC through the client
+    (an existence query) that must answer within ``timeout_s``. The RPC runs in a thread of its
+    own; while one is stuck (a frozen master) no other is started and the probe reports it."""
+
+    def __init__(self, client: Any, address: str, timeout_s: float) -> None:
+        self._client = client
+        self._address = address
+        self._timeout_s = timeout_s
+        self._stuck: threading.Thread | None = None
+        self._stuck_since = 0.0
+
+    def __call__(self) -> str | None:
+        problem = probe_master(self._address, self._timeout_s)
+        if problem is not None:
+            return problem
+        if self._stuck is not None:
+            if self._stuck.is_alive():
+                return (f"master {self._address} accepts connections but has not answered a "
+                        f"probe RPC for {time.monotonic() - self._stuck_since:.1f} s (frozen?)")
+            self._stuck = None
+        answer: list[Any] = []
+
+        def ask() -> None:
+            try:
+                answer.append(list(self._client.batch_is_exist([PROBE_KEY])))
+            except Exception as exc:  # reported below
+                answer.append(exc)
+
+        thread = threading.Thread(target=ask, name="kvo-store-probe", daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(self._timeout_s)
+        if thread.is_alive():
+            self._stuck, self._stuck_since = thread, started
+            return (f"master {self._address} accepts connections but did not answer a probe "
+                    f"RPC within {self._timeout_s:g} s (frozen?)")
+        result = answer[0] if answer else RuntimeError("no answer")
+        if isinstance(result, BaseException):
+            return f"probe RPC to master {self._address} raised {result!r}"
+        if not result or result[0] not in (0, 1):
+            code = result[0] if result else "none"
+            return (f"master {self._address} answered the probe RPC with "
+                    f"{error_name(code) if isinstance(code, int) else code}")
+        return None
 
 
 def probe_master(address: str, timeout_s: float) -> str | None:

@@ -10,6 +10,13 @@ buffer may be reused once every reader answered) and into ``RequestCompletionTra
 comes (lost, or the decode died) fails the slot with LayerDeadlineError instead of hanging the
 prefill forever.
 
+A session that stops working is rebuilt, never left half-dead: when a READY misses its deadline,
+or the decode says it no longer knows the session (RESET, or READ_FAILED asking for a
+handshake), everything in flight there fails, the connection is closed and a new one (with a
+new ZMQ routing id) handshakes at once. So after any single fault a prefill-decode pair is
+usable again within one layer deadline plus one handshake; a decode that stays silent costs a
+caller that publishes to it a handshake timeout, then a clear error (HandshakeTimeoutError).
+
 Fences (kvo_transport.fence): every READY carries the epoch of each word guarding its source:
 the slot's word (advanced by the slot gates when a round fails, before the slot can be reused;
 the publisher attaches its words to the gates it is given) and each request's lease word
@@ -107,6 +114,8 @@ class _Connection:
     endpoint: str
     socket: zmq.Socket[bytes]
     fd: int
+    number: int
+    """Tells this connection from earlier and later ones to the same endpoint."""
     channel: PrefillChannel
     """Seals and opens this connection's frames (frame_auth); used under ``lock``."""
     lock: threading.Lock = attrs.Factory(threading.Lock)
@@ -183,6 +192,9 @@ class PrefillPublisher:
         self._ledger = ReadyLedger()  # READYs in flight, deadlines, requests' sends (lock)
         self._io_sleep_until = 0.0  # when the I/O thread looks at the deadlines next
         self._seqs = itertools.count()  # one counter for all peers: keys stay unique on reconnect
+        self._connection_numbers = itertools.count(1)
+        self.renewed_sessions = 0
+        """Sessions torn down and handshaken again on a new connection (for tests/metrics)."""
         self._closed = False
 
         self._context = zmq.Context()
@@ -276,6 +288,7 @@ class PrefillPublisher:
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         socket.connect(endpoint)
         return _Connection(endpoint=endpoint, socket=socket, fd=cast(int, socket.getsockopt(_FD)),
+                           number=next(self._connection_numbers),
                            channel=PrefillChannel(self._control_key, self.auth_rejections))
 
     def _drop_peer(self, peer: _Peer) -> None:
@@ -385,7 +398,7 @@ class PrefillPublisher:
                     endpoint=peer.endpoint, seq=seq, layer_index=layer_index,
                     layer_name=layer.name, slot_key=slot_key, part=parts[peer.endpoint],
                     request_ids=ids, sent_at=now, deadline=now + deadline_s,
-                    lease_words=leases), last)
+                    lease_words=leases, connection=peer.connection.number), last)
                 if now + deadline_s < self._io_sleep_until:
                     self._wake()  # the I/O thread sleeps past this deadline: tell it
                     self._io_sleep_until = now
@@ -622,9 +635,11 @@ class PrefillPublisher:
         for kind, frame in frames:
             try:
                 if kind is Kind.RESET:
-                    self._on_reset(connection.endpoint)
+                    self._renew(connection.endpoint, connection.number,
+                                "the decode does not know this connection's session (it "
+                                "restarted?)")
                 else:
-                    self._on_answer(connection.endpoint, frame)
+                    self._on_answer(connection, frame)
             except Exception:
                 log.exception("prefill %s: error handling an answer from %s", self._label,
                               connection.endpoint)
@@ -644,23 +659,34 @@ class PrefillPublisher:
             self._io_sleep_until = now + timeout
             return timeout
 
-    def _on_reset(self, endpoint: str) -> None:
-        """The decode has no session for this connection (it restarted): fail what is in flight
-        there now and handshake again on the next publish."""
+    def _renew(self, endpoint: str, number: int, why: str) -> None:
+        """Tear down the session on connection ``number`` to ``endpoint`` and handshake again on
+        a new connection, now; everything in flight there fails with ``why``.
+
+        Nothing happens when that connection is no longer the endpoint's (already renewed,
+        dropped, or the publisher closed): a stale report never breaks a newer session.
+        """
         with self._lock:
             peer = self._peers.get(endpoint)
-            if peer is not None and peer.answer is not None:
-                del self._peers[endpoint]
-                self._dropped_connections.append(peer.connection)
+            if self._closed or peer is None or peer.connection.number != number:
+                return
+            fresh = _Peer(endpoint=endpoint, connection=self._open(endpoint))
+            self._peers[endpoint] = fresh
+            self._dropped_connections.append(peer.connection)
+            self._new_connections.append(fresh.connection)
+            self.renewed_sessions += 1
             lost = self._ledger.drop_endpoint(endpoint)
-        log.warning("prefill %s: decode %s does not know this connection's session (it "
-                    "restarted?); failing %d READY(s) in flight, handshaking again on the next "
-                    "publish", self._label, endpoint, len(lost))
+        log.warning("prefill %s: %s: %s; failing %d READY(s) in flight there, closing the "
+                    "connection and handshaking again on a new one", self._label, endpoint, why,
+                    len(lost))
+        self._wake()
+        self._send(fresh.connection, self._meta_frame, hello=True)
         for item in lost:
-            self._finish(item, f"decode {endpoint} lost the control session (restarted?) "
-                               f"before answering layer {item.layer_index} seq {item.seq}")
+            self._finish(item, f"decode {endpoint}: {why}; layer {item.layer_index} seq "
+                               f"{item.seq} was in flight on that session")
 
-    def _on_answer(self, endpoint: str, frame: bytes | memoryview) -> None:
+    def _on_answer(self, connection: _Connection, frame: bytes | memoryview) -> None:
+        endpoint = connection.endpoint
         try:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:
@@ -669,8 +695,8 @@ class PrefillPublisher:
         if isinstance(message, HandshakeAnswer):
             with self._lock:
                 peer = self._peers.get(endpoint)
-            if peer is None:
-                return
+            if peer is None or peer.connection is not connection:
+                return  # the answer to a connection this publisher gave up
             peer.answer = message
             peer.answered.set()
             if message.accepted:
@@ -686,11 +712,13 @@ class PrefillPublisher:
             return
         with self._lock:
             item = self._ledger.answer(endpoint, message.seq)
-            if isinstance(message, ReadFailed) and message.needs_handshake:
-                peer = self._peers.get(endpoint)
-                if peer is not None and peer.answer is not None:
-                    del self._peers[endpoint]  # the next publish handshakes again
-                    self._dropped_connections.append(peer.connection)
+        if isinstance(message, ReadFailed) and message.needs_handshake:
+            if item is not None:
+                self._finish(item, f"decode {endpoint} failed to read layer {item.layer_index} "
+                                   f"({item.layer_name}): {message.reason}")
+            self._renew(endpoint, connection.number,
+                        f"the decode reset the control session: {message.reason}")
+            return
         if item is None:
             log.warning("prefill %s: %s for layer %d seq %d from %s matches nothing in flight "
                         "(late after its deadline, or duplicated)", self._label,
@@ -717,6 +745,10 @@ class PrefillPublisher:
         with self._lock:
             expired, behind = self._ledger.expire(time.monotonic())
         late = {item.endpoint: item for item in expired}
+        for item in late.values():  # that connection may be dead for good: start a new one
+            self._renew(item.endpoint, item.connection,
+                        f"no answer to layer {item.layer_index} seq {item.seq} within its "
+                        f"deadline")
         for item in expired:
             error = LayerDeadlineError(
                 f"no READ_DONE/READ_FAILED from {item.endpoint} for layer {item.layer_index} "

@@ -39,6 +39,9 @@ MAX_FENCE_WORDS: Final = 1 << 24
 MAX_FENCES_PER_BATCH: Final = MAX_REQUESTS_PER_BATCH + 1
 
 _INT64_MAX = (1 << 63) - 1  # msgspec bounds must fit an int64; addresses do (user space)
+NO_SEQ: Final = _INT64_MAX
+"""The ``seq`` of an answer about the whole session (a reset), not one READY: no publisher
+numbers a READY this high, so it matches nothing in flight."""
 
 Address = Annotated[int, Meta(gt=0, le=_INT64_MAX)]
 ByteCount = Annotated[int, Meta(gt=0, le=_INT64_MAX)]
@@ -209,6 +212,64 @@ class ReadReadyBatch(msgspec.Struct, tag="READ_READY_BATCH", frozen=True,
         if self.requests and not self.fences:
             raise ValueError("a READY with requests carries no fence: its read could not be "
                              "checked against reuse of the source")
+
+
+class _ReadyNumber(msgspec.Struct):
+    """What identifies a READY, read leniently (other fields skipped unchecked)."""
+
+    type: Annotated[str, Meta(max_length=64)]
+    seq: Annotated[int, Meta(ge=0, lt=NO_SEQ)]
+
+
+class _ReadyLayer(msgspec.Struct):
+    layer_index: LayerIndex = 0
+
+
+class _RequestId(msgspec.Struct):
+    request_id: Identifier
+
+
+class _ReadyRequestIds(msgspec.Struct):
+    requests: Annotated[tuple[_RequestId, ...], Meta(max_length=MAX_REQUESTS_PER_BATCH)] = ()
+
+
+class UnreadableReady(msgspec.Struct, frozen=True):
+    """What could be read of a READY that failed to decode: enough to answer it."""
+
+    seq: int
+    layer_index: int
+    """0 when the frame's own layer index is missing or out of range."""
+    request_ids: tuple[str, ...]
+    """Empty when the frame's requests cannot be read."""
+
+
+_ready_number = msgspec.msgpack.Decoder(_ReadyNumber)
+_ready_layer = msgspec.msgpack.Decoder(_ReadyLayer)
+_ready_request_ids = msgspec.msgpack.Decoder(_ReadyRequestIds)
+
+
+def unreadable_ready(frame: bytes | bytearray | memoryview) -> UnreadableReady | None:
+    """For a frame that did not decode: its READY's sequence number, layer and request ids if
+    it is a READY whose ``seq`` can be read (whatever else is wrong with it), else None.
+
+    Lets the decode answer a malformed READY with READ_FAILED instead of leaving the prefill to
+    wait for its deadline. The frame has passed the size limit already.
+    """
+    try:
+        number = _ready_number.decode(frame)
+    except msgspec.MsgspecError:
+        return None
+    if number.type != ReadReadyBatch.__struct_config__.tag:
+        return None
+    try:
+        layer = _ready_layer.decode(frame).layer_index
+    except msgspec.MsgspecError:
+        layer = 0
+    try:
+        ids = tuple(dict.fromkeys(r.request_id for r in _ready_request_ids.decode(frame).requests))
+    except msgspec.MsgspecError:
+        ids = ()
+    return UnreadableReady(seq=number.seq, layer_index=layer, request_ids=ids)
 
 
 class ReadDone(msgspec.Struct, tag="READ_DONE", frozen=True,

@@ -34,6 +34,8 @@ class PendingReady:
     deadline: float
     lease_words: tuple[int, ...] = ()
     """Epoch words of its requests (kvo_transport.fence): advanced if it fails."""
+    connection: int = 0
+    """Which connection to ``endpoint`` it went out on (a renewed session uses a new one)."""
 
 
 @attrs.define

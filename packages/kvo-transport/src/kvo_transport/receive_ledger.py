@@ -120,7 +120,9 @@ class ReceiveLedger:
                 self._progress.pop(request_id, None)
             forgotten = self._forgotten & (finished | failed.keys())
             self._forgotten -= forgotten
-            self._held.update((r, e) for r, e in failed.items() if r not in forgotten)
+            for request_id, reason in failed.items():  # a later failure keeps the first reason
+                if request_id not in forgotten:
+                    self._held.setdefault(request_id, reason)
             held = [(r, e, self._invalid.get(r, InvalidBlocks())) for r, e in self._held.items()]
         ready = {r: e for r, e, invalid in held if settled(invalid)}
         with self._lock:
