@@ -48,8 +48,9 @@ _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 @attrs.frozen
 class Described:
-    """A field validator that can also say what it allows, so documentation (the README's
-    table of config keys) is generated from the same object that enforces the rule."""
+    """A field validator that can also say what it allows, so documentation (the table of
+    config keys in docs/configuration.md) is generated from the same object that enforces the
+    rule."""
 
     allowed: str
     check: _Validator
