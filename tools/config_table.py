@@ -1,8 +1,8 @@
-"""The reference tables of config keys (docs/configuration.md) and of metrics (docs/metrics.md),
-generated from the code.
+"""The config and metrics references in docs/, generated from the code.
 
-Each key's default and allowed values come from the validators that enforce them
-(``kvo_core.config.config_keys``), and the metrics from kvo-vllm's catalog
+The tables of config keys (docs/configuration.md) and of metrics (docs/metrics.md): each key's
+default and allowed values come from the validators that enforce them
+(``kvo_core.config.config_keys``), the metrics from kvo-vllm's catalog
 (``kvo_vllm.metrics.METRICS``), so the documentation cannot drift from the code:
 ``tests/test_config_table.py`` fails when a generated part of those files differs from what
 this prints. Only the part between each file's markers is generated; the text around it is
@@ -74,7 +74,9 @@ def write() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the generated parts of docs/configuration.md and docs/metrics.md")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the generated parts of docs/configuration.md and "
+                             "docs/metrics.md")
     args = parser.parse_args(argv)
     if args.write:
         write()
