@@ -249,6 +249,12 @@ def _option_names(argv: tuple[str, ...]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
 
 
+def _unknown_options(parser: Any, argv: tuple[str, ...]) -> set[str]:
+    """Options the parser does not spell exactly so (argparse would take an abbreviation)."""
+    spelled = {option for action in parser._actions for option in action.option_strings}
+    return _option_names(argv) - spelled
+
+
 @cache
 def vllm_parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -292,6 +298,7 @@ def test_the_vllm_command_lines_parse_and_their_connectors_load() -> None:
     commands = vllm_commands()
     assert len(commands) == 4
     for command in commands:
+        assert not _unknown_options(vllm_parser(), command.argv[3:]), command.argv
         args = vllm_parser().parse_args(list(command.argv[3:]))
         transfer = args.kv_transfer_config
         assert transfer is not None, command.argv
@@ -369,6 +376,7 @@ def test_the_proxy_command_lines_parse() -> None:
     proxies = [c for c in RECIPE_COMMANDS if c.argv[:3] == ("python", "-m", "kvo_vllm.proxy")]
     assert proxies
     for command in proxies:
+        assert not _unknown_options(parser(), command.argv[3:]), command.argv
         args = parser().parse_args(list(command.argv[3:]))
         assert args.prefill and args.decode
 
