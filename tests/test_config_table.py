@@ -1,14 +1,16 @@
-"""The README's table of config keys is exactly what the config classes say."""
+"""docs/configuration.md's config tables and docs/metrics.md's metrics table are exactly what
+the config classes and the metrics catalog say."""
 
 from __future__ import annotations
 
 import attrs
 from config_table import (
+    CONFIGURATION,
+    METRICS,
     METRICS_BEGIN,
     METRICS_END,
-    README,
     SECTIONS,
-    readme_table,
+    generated_part,
     render,
     render_metrics,
 )
@@ -16,14 +18,14 @@ from config_table import (
 from kvo_core.config import config_keys
 
 
-def test_readme_table_matches_the_config_classes() -> None:
-    assert readme_table(README.read_text()) == render(), (
-        "README.md's config table is stale: run `python tools/config_table.py --write`")
+def test_configuration_table_matches_the_config_classes() -> None:
+    assert generated_part(CONFIGURATION.read_text()) == render(), (
+        "docs/configuration.md's config table is stale: run `python tools/config_table.py --write`")
 
 
-def test_readme_metrics_table_matches_the_catalog() -> None:
-    assert readme_table(README.read_text(), METRICS_BEGIN, METRICS_END) == render_metrics(), (
-        "README.md's metrics table is stale: run `python tools/config_table.py --write`")
+def test_metrics_table_matches_the_catalog() -> None:
+    assert generated_part(METRICS.read_text(), METRICS_BEGIN, METRICS_END) == render_metrics(), (
+        "docs/metrics.md's metrics table is stale: run `python tools/config_table.py --write`")
 
 
 def test_every_field_is_documented_with_what_it_allows() -> None:

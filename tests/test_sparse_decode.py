@@ -246,7 +246,7 @@ def test_request_joining_later_reuses_finished_rows(runs: Runs) -> None:
 def lru_trace(steps: Sequence[Sequence[int]], capacity: int) -> list[tuple[set[int], int]]:
     """Per step of one (request, layer): (tokens resident before it, its misses).
 
-    Follows DESIGN.md section 6 token by token: resident tokens in LRU order; the unselected
+    Follows docs/design.md section 6 token by token: resident tokens in LRU order; the unselected
     ones are evicted least recent first; the new order is [kept unselected..., misses
     (ascending on the first step)..., hits...].
     """

@@ -1,4 +1,5 @@
-"""Residency (DESIGN.md section 6): hand-worked rule cases, invariants, reference == vectorised.
+"""Residency (docs/design.md section 6): hand-worked rule cases, invariants, reference ==
+vectorised.
 
 Hand cases run against both implementations; hypothesis drives random multi-step traces through
 both and checks they agree slot for slot (outputs and full state) and that the invariants hold.

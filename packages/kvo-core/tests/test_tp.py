@@ -1,4 +1,4 @@
-"""TP mapping, indexer block-range split and decode control ports (DESIGN.md section 7)."""
+"""TP mapping, indexer block-range split and decode control ports (docs/design.md section 7)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """lightning_indexer_manage (reference): hand-worked cases for every branch, then properties.
 
 Hand-worked cases use ``scored_inputs`` (the test chooses the scores, so it chooses the top-k).
-The expected slots follow DESIGN.md section 6 by hand: hits keep their slots, misses take the
+The expected slots follow docs/design.md section 6 by hand: hits keep their slots, misses take the
 evictable slots in LRU order, the new LRU is [unused evictable, filled, hits].
 """
 

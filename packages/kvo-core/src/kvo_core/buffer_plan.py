@@ -7,7 +7,7 @@ alone; it allocates nothing. The vLLM glue applies the plan by aliasing every la
 tensors to those of :meth:`LayerBufferPlan.storage_owner` and by gating each reuse on
 :meth:`LayerBufferPlan.predecessor` (see ``kvo_core.gates``).
 
-Rules (DESIGN.md section 4):
+Rules (docs/design.md section 4):
 
 - Independent layers keep a buffer of their own. By default layer 0 (it is written before the
   pipeline has anything to overlap with); ``"all"`` gives every layer its own buffer (no reuse).

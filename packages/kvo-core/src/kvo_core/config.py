@@ -48,8 +48,9 @@ _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 @attrs.frozen
 class Described:
-    """A field validator that can also say what it allows, so documentation (the README's
-    table of config keys) is generated from the same object that enforces the rule."""
+    """A field validator that can also say what it allows, so documentation (the table of
+    config keys in docs/configuration.md) is generated from the same object that enforces the
+    rule."""
 
     allowed: str
     check: _Validator
@@ -296,8 +297,8 @@ class LayerwiseOffloadConfig:
     """Niceness of the thread that puts a step's staged blocks after the forward (Linux;
     0: as the engine's). It runs while vLLM samples and returns the step's output, and on a
     CPU the engine's own threads need it would delay that output; at 19 it takes the CPU only
-    when they leave it (at the latest when the next step waits for the put). Measured in one
-    engine on 2 CPUs (256-token prompts): 0.3-0.6 ms less TTFT than at 0."""
+    when they leave it (at the latest when the next step waits for the put); measured
+    against 0 in docs/benchmarks.md."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *,

@@ -1,6 +1,6 @@
 """Tensor-parallel mapping between prefill and decode ranks, and decode control ports.
 
-Prefill may run with more TP ranks than decode (DESIGN.md section 7). Every decode rank is fed
+Prefill may run with more TP ranks than decode (docs/design.md section 7). Every decode rank is fed
 by a contribution group of ``ratio = P // D`` consecutive prefill ranks. Main KV is replicated
 across the group, so only member 0 sends it; the rank-local indexer is split into disjoint block
 ranges, one per member, so the group shares the indexer traffic. The split is rotated by the

@@ -156,7 +156,7 @@ class NativeResidencyTable:
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
                states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
                out: ResidencyResult | None = None) -> ResidencyResult:
-        """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6).
+        """Apply one decode step's top-k selection to every row (rules: docs/design.md section 6).
 
         ``topk`` [R, K] token positions, int32 or int64 (negative, or at/after ``seq_lens[r]``
         when given, are padding; a repeat counts once); ``request_ids`` [R]; ``stable_lens``

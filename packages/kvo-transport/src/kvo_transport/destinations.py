@@ -2,12 +2,13 @@
 
 A decode destination block can be in three states that matter: written by a read in flight,
 quarantined after a failed read (Mooncake's batch read returns at its first failed slice while
-other slices of the batch may still land, measured up to 267 ms later on loopback TCP), or
-revoked (its request was given up: no later read may start into it). The receiver thread asks
-``begin_read`` before every data read and reports ``end_read`` after it; anyone (vLLM's step
-thread) may ``revoke`` at any time without waiting for a read, and hands blocks back only once
-``settled`` says no read is in flight into them and no quarantine covers them. Nothing here
-blocks: revocation never waits behind a stalled read, the hand-back is what waits.
+other slices of the batch may still land, up to hundreds of milliseconds later:
+docs/benchmarks.md), or revoked (its request was given up: no later read may start into it). The
+receiver thread asks ``begin_read`` before every data read and reports ``end_read`` after it;
+anyone (vLLM's step thread) may ``revoke`` at any time without waiting for a read, and hands
+blocks back only once ``settled`` says no read is in flight into them and no quarantine covers
+them. Nothing here blocks: revocation never waits behind a stalled read, the hand-back is what
+waits.
 
 Blocks are named by (kind, id): ``"main"`` and ``"indexer"`` destinations are numbered apart.
 """
@@ -22,10 +23,10 @@ from collections.abc import Callable, Iterable
 import attrs
 
 DEFAULT_QUARANTINE_S = 2.0
-"""How long a failed read's destination stays untouchable. Late slices were measured up to
-267 ms after the failed call on an idle machine, but once past 1 s on a 2-core machine at load
-average ~27; a time bound is what Mooncake's synchronous batch read allows (it does not say
-when the rest of a failed batch settled), so it is generous and configurable."""
+"""How long a failed read's destination stays untouchable. Late slices land hundreds of
+milliseconds after the failed call, past 1 s on a loaded machine (docs/benchmarks.md); a time
+bound is what Mooncake's synchronous batch read allows (it does not say when the rest of a
+failed batch settled), so it is generous and configurable."""
 
 Block = tuple[str, int]
 

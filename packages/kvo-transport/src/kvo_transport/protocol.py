@@ -1,4 +1,4 @@
-"""Wire messages of the prefill <-> decode control plane (DESIGN.md section 9).
+"""Wire messages of the prefill <-> decode control plane (docs/design.md section 9).
 
 Every message is a msgspec Struct encoded as a msgpack map with a ``type`` tag and a protocol
 ``version``. Frames come from the network, so decoding is defensive: the frame size is checked

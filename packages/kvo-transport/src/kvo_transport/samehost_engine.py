@@ -1,7 +1,7 @@
 """Same-host transfers: a TransferEngine wrapper that copies straight between two processes.
 
-When prefill and decode run on one machine, Mooncake's tcp path moves ~1.2-1.4 GB/s over
-loopback while a memory copy moves several times that. Linux's ``process_vm_readv`` /
+When prefill and decode run on one machine, Mooncake's tcp path over loopback moves several
+times less than a memory copy (docs/benchmarks.md). Linux's ``process_vm_readv`` /
 ``process_vm_writev`` copy between two address spaces in one system call: no socket, no
 intermediate buffer. ``SameHostEngine`` keeps an inner engine (Mooncake) for every peer it
 cannot reach that way and picks the direct path per peer, automatically:

@@ -1,4 +1,4 @@
-"""Decode-side residency of the hot KV buffer (DESIGN.md section 6).
+"""Decode-side residency of the hot KV buffer (docs/design.md section 6).
 
 Per layer, R decode rows x C slots: which token each slot holds, LRU replacement, and per step
 the slot of every top-k position plus the host -> device copies (misses). Two implementations

@@ -1,4 +1,4 @@
-"""Pure-Python residency: the rules of DESIGN.md section 6, written to be read, not to be fast.
+"""Pure-Python residency: the rules of docs/design.md section 6, written to be read, not to be fast.
 
 Per row and step: a new request identity (or a first offload) resets the row; resident tokens at
 or beyond the stable length are forgotten; negative or out-of-range top-k entries are padding

@@ -118,7 +118,7 @@ class ResidencyTable:
     def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
                states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
                out: ResidencyResult | None = None) -> ResidencyResult:
-        """Apply one decode step's top-k selection to every row (rules: DESIGN.md section 6).
+        """Apply one decode step's top-k selection to every row (rules: docs/design.md section 6).
 
         With ``out`` (buffers, see ``check_out``) the result is written there and returned.
         """

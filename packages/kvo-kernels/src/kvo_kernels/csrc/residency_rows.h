@@ -1,4 +1,4 @@
-// The residency rules of DESIGN.md section 6 for one row, in plain C++ (no torch): the
+// The residency rules of docs/design.md section 6 for one row, in plain C++ (no torch): the
 // algorithm behind torch.ops.kvo.residency_update (residency.cpp holds the op around it).
 //
 // A row keeps its slot tokens and its LRU order as [deep log..., window...] (lru_log.h),

@@ -1,6 +1,6 @@
 """One request's residency update through kvo-core, with its state read from / for the pool.
 
-kvo-core owns the residency rules (DESIGN.md section 6); the fused op keeps the state in
+kvo-core owns the residency rules (docs/design.md section 6); the fused op keeps the state in
 ``cache_slots_pool`` between calls. This module moves one pool entry's state into a one-row
 kvo-core table, applies the step, and hands back the result and the new state.
 """

@@ -49,7 +49,7 @@ def gather_request_keys(cache: torch.Tensor, layout: IndexerKeyLayout,
         rows = cache[blocks, (positions % block_size)[None, :].expand(num_reqs, -1)]
         return layout.decode(rows)
     # One index_select over a flat view of the cache: the same bytes as the two-index
-    # gather, ~2.7x faster (8 requests x 32K keys: 153 vs 411 ms per layer).
+    # gather, several times faster (docs/benchmarks.md).
     slots = (blocks * block_size + positions % block_size).view(-1)
     rows = flat.index_select(0, slots).view(num_reqs, max_seq_len, flat.shape[1])
     return layout.decode(rows)

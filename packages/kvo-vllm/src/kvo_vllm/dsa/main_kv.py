@@ -155,7 +155,7 @@ def _attend_two_caches(query: torch.Tensor, query_rope: torch.Tensor, selected: 
     over them (kvo-kernels' ``sparse_mla_attention_over_keys``: the same bits as over one
     cache holding those rows). A gathered ``[T, K, D]`` copy attended by
     :func:`attend_rows` is read twice; a mixed step's prefill chunk made that copy the
-    offload path's largest cost (measured: half of a 16 x 2048-token run's gather time)."""
+    offload path's largest cost (docs/benchmarks.md, sparse_budget)."""
     assert selected.slots is not None and selected.overlay is not None
     overlay = selected.overlay
     cache, slots = selected.rows, selected.slots.clamp(min=0)

@@ -27,8 +27,8 @@ log = logging.getLogger("kvo.vllm.dsa.offload")
 @attrs.define
 class OffloadLayerStats:
     """One layer call, summed over the batch. A record: nothing changes it once made (not
-    ``frozen`` for speed: one is made per layer call, and a frozen class's ``__init__`` took
-    7.5 us at a decode step's start against 0.8 us, measured in a vLLM step)."""
+    ``frozen`` for speed: one is made per layer call, and a frozen class's ``__init__`` is
+    several times slower at a decode step's start, docs/benchmarks.md)."""
 
     layer: int
     decode_rows: int        # requests that went through residency (query rows <= the limit)

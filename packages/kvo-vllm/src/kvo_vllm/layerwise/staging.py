@@ -1,12 +1,12 @@
 """Host staging for layer saves: the save leaves the forward's critical path.
 
-A layer's save used to put straight from its device buffer, so the buffer's slot stayed closed
-until the store had the bytes (Mooncake's put copies at ~1 GB/s, one RPC pair per layer, all
-while the forward runs on the same CPUs). With staging, the forward's thread copies the layer's
-new blocks into a registered host area right after its attention (memmove speed, no other thread
-involved) and releases the slot at once; the step's staged blocks are then put in one batch
-after the forward (``LayerwiseWorker.finish_step``), and the next step waits for that batch
-before it loads anything.
+Without staging a layer's save puts straight from its device buffer, so the buffer's slot stays
+closed until the store has the bytes (a store put is far slower than a memory copy, one RPC
+pair per layer, all while the forward runs on the same CPUs). With staging, the forward's
+thread copies the layer's new blocks into a registered host area right after its attention
+(memmove speed, no other thread involved) and releases the slot at once; the step's staged
+blocks are then put in one batch after the forward (``LayerwiseWorker.finish_step``), and the
+next step waits for that batch before it loads anything.
 
 The area is a bump allocator reset between steps (only once the previous batch is in the
 store). A layer that does not fit is saved directly from its buffer, as without staging.
@@ -42,10 +42,8 @@ def block_rows(tensor: torch.Tensor, block_bytes: int) -> torch.Tensor:
 
 PARALLEL_COPY_BYTES = 512 << 10
 """Runs at least this long are copied by torch (the forward's OpenMP threads share the work),
-shorter ones by one ``memmove``. Measured on 2 CPUs (16 KiB blocks, median of 200 copies):
-256 KiB 9.0 us memmove / 12.7 us torch; 512 KiB 18.4 / 14.7; 1 MiB 46.5 /
-25.9; 4 MiB 227 / 123. Inside a 1024-token prefill of the tiny Llama (5 layers of 1 MiB
-each) the copies took 0.55 ms instead of 0.65 ms (connector_cost, 30 requests)."""
+shorter ones by one ``memmove``: the crossover where torch's threads beat one memmove
+(measurements: docs/benchmarks.md, "Measurements behind code choices")."""
 
 
 @attrs.frozen
@@ -102,10 +100,9 @@ class SaveStaging:
 
         One copy per run of consecutive blocks: a ``memmove`` (it releases the GIL), or for a
         long run (``PARALLEL_COPY_BYTES``) a torch copy, which the forward's OpenMP threads
-        share. Only ever on the forward's thread: when this ran on the saver thread during the
-        forward, a torch copy there started an OpenMP team of that thread's own that spun
-        against the forward's (measured on 2 CPUs, tiny Llama, cold 256-token prefill:
-        index_select on that thread cost +14 ms TTFT, +42 %).
+        share. Only ever on the forward's thread: a torch copy on another thread during the
+        forward starts an OpenMP team of that thread's own that spins against the forward's
+        (it cost more TTFT than the copy itself: docs/benchmarks.md).
         """
         width = int(rows.shape[1])
         limit = int(rows.shape[0])

@@ -757,15 +757,14 @@ class LayerwiseWorker:
         then (``_prefetch_from`` runs after the save, and never reaches a slot still in use:
         ``prefetch_depth`` < shared buffers). So when nothing else reads the buffer (no part
         announced, ``SlotGates.is_quiet``) the slot needs no round of its own: closing one
-        and ending it right after the copy cost two lock round trips per layer (~15-20 us
-        each inside the forward, 2 CPUs). Otherwise the round holds the slot for the
+        and ending it right after the copy would cost two lock round trips per layer inside
+        the forward. Otherwise the round holds the slot for the
         announced readers too, and a reader's early failure is seen by the next user.
 
         Runs on the forward's thread: the copy is a memmove of the step's new blocks (a few
-        MiB, GIL released), and handing it to another thread cost more than it saved. That
+        MiB, GIL released), and handing it to another thread cost more than it saved: that
         thread's Python (keys, gates, bookkeeping) took the GIL each time a torch op of the
-        forward let it go, and the forward then waited to get it back: a cold 256-token
-        prefill of the tiny Llama spent ~3 ms more in its RMSNorms alone (py-spy, 2 CPUs).
+        forward let it go, and the forward then waited to get it back (docs/benchmarks.md).
         """
         assert self.staging is not None
         started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One OpenAI request through the P/D flow (DESIGN.md section 10).
+"""One OpenAI request through the P/D flow (docs/design.md section 10).
 
 1. The request goes to decode with ``do_remote_prefill``: decode allocates the prompt's blocks
    and advertises them (its control endpoints, the prefix it already holds) to the proxy.

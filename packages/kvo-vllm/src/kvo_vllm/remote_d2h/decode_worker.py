@@ -64,10 +64,9 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005
 """On a step that schedules no tokens while pulls are in flight, how long ``collect`` waits
 for one to finish (it returns as soon as one does). vLLM steps such a decode again after a
-1 ms sleep, and each empty step costs about as much CPU time: measured on this 2-core host
-(tools/bench/_pd_timeline.py, 1024-token prompts, 30 s, load ~40), the waiting decode's
-engine used 6.1 CPU-s against the prefill engine's 4.7 CPU-s doing the prompts' forward. A new
-request reaching such a decode waits at most this long longer to be scheduled."""
+1 ms sleep, and each empty step costs about as much CPU time: without this wait a decode
+waiting for pulls burnt more CPU than the prefill computing the prompts (docs/benchmarks.md).
+A new request reaching such a decode waits at most this long longer to be scheduled."""
 
 REPORTED_MEMORY = 65536
 """How many reported request ids the worker remembers (an abort that crossed the report)."""

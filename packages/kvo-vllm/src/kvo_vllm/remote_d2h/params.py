@@ -1,6 +1,6 @@
 """What the proxy, the decode and the prefill tell each other about one request.
 
-The decode-first flow (DESIGN.md section 10) needs three small agreements, all plain JSON:
+The decode-first flow (docs/design.md section 10) needs three small agreements, all plain JSON:
 
 - proxy -> decode, in the request's ``kv_transfer_params``: pull this request's prompt KV from
   a prefill (``DecodePullParams``);

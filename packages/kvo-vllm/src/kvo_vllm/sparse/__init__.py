@@ -1,6 +1,6 @@
 """Sparse decode offload: full main KV in a shared host pool, top-k hot buffers on the device.
 
-``SparseDecodeOffload`` runs DESIGN.md section 6 for one decode DP rank without vLLM; the
+``SparseDecodeOffload`` runs docs/design.md section 6 for one decode DP rank without vLLM; the
 attention integration calls it per layer.
 """
 

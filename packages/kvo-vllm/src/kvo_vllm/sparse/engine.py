@@ -1,4 +1,4 @@
-"""Sparse decode offload for one decode DP rank (DESIGN.md section 6), usable without vLLM.
+"""Sparse decode offload for one decode DP rank (docs/design.md section 6), usable without vLLM.
 
 The full main-KV history of every running request lives in a shared host pool; the device
 keeps only the indexer cache (full) and, per layer, a hot buffer of ``hot_capacity`` rows per
