@@ -84,10 +84,12 @@ def links(path: Path) -> Iterator[str]:
             yield target
 
 
-def test_the_documents_exist() -> None:
+def test_the_documents_exist_and_the_readme_links_each() -> None:
     names = {path.name for path in DOCS}
     assert {"design.md", "configuration.md", "metrics.md", "pd-protocol.md",
             "benchmarks.md", "testing.md"} <= names
+    linked = {target.partition("#")[0] for target in links(README)}
+    assert {f"docs/{name}" for name in names} <= linked, names
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=_rel)
