@@ -15,17 +15,23 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
 - ``bad_notify``: unsigned and forged POSTs hit the proxy's notify endpoint;
 - ``master_killed``: the Mooncake master is killed before the request and restarted after it
   (the prefill's store saves and loads fail fast: circuit breaker);
+- ``master_frozen``: the Mooncake master is stopped (SIGSTOP) before the request and continued
+  (SIGCONT) after it: its connections are still accepted, nothing answers (bounded store calls);
 - ``decode_killed``: the decode vLLM is killed while the request runs, then restarted (at most
   ``--max-decode-kills`` times: a restart takes a minute here).
 
-A faulted request gets a prompt of its own (the request number in front): a prompt the decode
-has cached would need no pull, and a read fault would then never bite. Each answer is compared
+Requests go out in batches of ``--concurrency`` at once (each batch at most one fault, active for
+the whole batch): a fault must leave every other request in flight exact too. A faulted batch's
+first request gets a prompt of its own (the request number in front): a prompt the decode has
+cached would need no pull, and a read fault would then never bite. Each answer is compared
 with the plain vLLM's answer to the same prompt (token ids): identical,
 failed cleanly (an error status), wrong (a different answer: must be 0) or hung (no answer
 within ``--timeout``: must be 0). A prefill or decode that dies without being killed by the soak
 is counted (``crashes``), its log tail kept in the JSON, and restarted so the soak goes on.
-Prints the table and writes JSON. Not part of ``nox -s tests``: ``nox -s soak``
-(``-- --requests 50`` for a shorter run). Exit 0 when wrong == hung == crashes == 0.
+The JSON records each engine's resident memory and /dev/shm files at the soak's start and end
+(``footprint``: per process group, tools/pd/footprint.py). Prints the table and writes JSON. Not
+part of ``nox -s tests``: ``nox -s soak`` (``-- --requests 50`` for a shorter run). Exit 0 when
+wrong == hung == crashes == 0.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pd.client import Answer, complete, completion_body
 from pd.cluster import (
@@ -58,6 +65,7 @@ from pd.cluster import (
     stopping_on_signals,
     wait_healthy,
 )
+from pd.footprint import footprint, shm_listing
 
 NUM_LAYERS = 4
 MAX_TOKENS = 6
@@ -66,7 +74,10 @@ TEXT = ("A soak sends many requests while things break underneath; every answer 
         "plain answer or a clean failure. ")
 OUTCOMES = ("identical", "failed_cleanly", "wrong", "hung")
 FAULTS = ("failed_read", "slow_read", "lost_ack", "bad_frames", "bad_notify",
-          "master_killed", "decode_killed")
+          "master_killed", "master_frozen", "decode_killed")
+ENGINES = ("plain", "prefill", "decode", "proxy")
+
+_T = TypeVar("_T")
 
 
 def _prompts(count: int) -> list[str]:
@@ -141,6 +152,13 @@ class Deployment:
     def decode_control_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.kv_port}"
 
+    def footprints(self) -> dict[str, Any]:
+        """Per engine: resident memory and /dev/shm files of its process group; all of
+        /dev/shm too."""
+        engines: dict[str, Any] = {name: footprint(getattr(self, name).process.pid)
+                                   for name in ENGINES}
+        return {"engines": engines, "dev_shm": shm_listing()}
+
 
 def _bad_frames(endpoint: str, stop: threading.Event) -> None:
     """Frames no authenticated decode may act on, until ``stop``."""
@@ -189,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     by_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     wrong_examples: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
+    footprints: dict[str, Any] = {}
     with stopping_on_signals(), Cluster(workdir / "logs") as cluster:
         print("starting the deployment ...", flush=True)
         deployment = Deployment(workdir, cluster, model)
@@ -200,40 +219,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     prompt, MAX_TOKENS, stream=False), timeout_s=args.timeout)
                 assert answer.ok, answer.error
                 reference[prompt] = answer.token_ids
-            print(f"reference answers for {len(prompts)} prompts; soaking ...", flush=True)
-            for i in range(args.requests):
-                prompt = rng.choice(prompts)
+            print(f"reference answers for {len(prompts)} prompts; soaking with "
+                  f"{args.concurrency} request(s) in flight ...", flush=True)
+            footprints = {"start": deployment.footprints()}
+            i = 0
+            while i < args.requests:
+                size = min(args.concurrency, args.requests - i)
+                batch = [rng.choice(prompts) for _ in range(size)]
                 fault = rng.choice(FAULTS) if rng.random() < args.fault_rate else None
                 if fault == "decode_killed" and faults["decode_killed"] >= args.max_decode_kills:
                     fault = "failed_read"
                 if fault is not None:  # its own prompt: nothing of it is cached anywhere
-                    prompt = f"request {i} under fault {fault}. {prompt}"
+                    batch[0] = f"request {i} under fault {fault}. {batch[0]}"
                     answer = complete(deployment.plain.url or "", completion_body(
-                        prompt, MAX_TOKENS, stream=False), timeout_s=args.timeout)
+                        batch[0], MAX_TOKENS, stream=False), timeout_s=args.timeout)
                     assert answer.ok, answer.error
-                    reference[prompt] = answer.token_ids
-                answer = _one(deployment, prompt, fault, args, rng)
-                if fault is not None:
+                    reference[batch[0]] = answer.token_ids
                     faults[fault] += 1
-                if answer.ok and answer.token_ids == reference[prompt]:
-                    outcome = "identical"
-                elif answer.ok:
-                    outcome = "wrong"
-                    wrong_examples.append({"i": i, "fault": fault, "got": answer.token_ids,
-                                           "want": reference[prompt]})
-                elif answer.total_s >= args.timeout * 0.99:
-                    outcome = "hung"
-                else:
-                    outcome = "failed_cleanly"
-                counts[outcome] += 1
-                by_fault[fault or "none"][outcome] += 1
+                answers = _batch(deployment, batch, fault, args, rng)
+                for offset, (prompt, answer) in enumerate(zip(batch, answers, strict=True)):
+                    if answer.ok and answer.token_ids == reference[prompt]:
+                        outcome = "identical"
+                    elif answer.ok:
+                        outcome = "wrong"
+                        wrong_examples.append({"i": i + offset, "fault": fault,
+                                               "got": answer.token_ids,
+                                               "want": reference[prompt]})
+                    elif answer.total_s >= args.timeout * 0.99:
+                        outcome = "hung"
+                    else:
+                        outcome = "failed_cleanly"
+                    counts[outcome] += 1
+                    by_fault[fault or "none"][outcome] += 1
                 for name, tail in deployment.restart_dead():
                     crashes.append({"i": i, "process": name, "fault": fault, "log_tail": tail})
-                    print(f"  {name} died on its own at request {i} (fault {fault}); restarted",
+                    print(f"  {name} died on its own in the batch from request {i} (fault "
+                          f"{fault}); restarted", flush=True)
+                before, i = i, i + size
+                if i // 25 > before // 25:
+                    print(f"  {i} requests: {dict(counts)}; faults {dict(faults)}",
                           flush=True)
-                if (i + 1) % 25 == 0:
-                    print(f"  {i + 1} requests: {dict(counts)}; faults {dict(faults)}",
-                          flush=True)
+            footprints["end"] = deployment.footprints()
         finally:
             deployment.master.stop()
     return {"requests": args.requests, "faults": dict(faults),
@@ -241,15 +267,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wrong": counts["wrong"], "hung": counts["hung"], "crashes": len(crashes),
             "by_fault": {kind: dict(outcomes) for kind, outcomes in by_fault.items()},
             "crash_details": crashes, "wrong_examples": wrong_examples,
+            "concurrency": args.concurrency, "footprints": footprints,
             "workdir": str(workdir)}
 
 
-def _one(deployment: Deployment, prompt: str, fault: str | None, args: argparse.Namespace,
-         rng: random.Random) -> Answer:
-    body = completion_body(prompt, MAX_TOKENS, stream=rng.random() < 0.5)
+def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
+           args: argparse.Namespace, rng: random.Random) -> list[Answer]:
+    """Send ``prompts`` at once through the proxy while ``fault`` is in effect."""
+    bodies = [completion_body(prompt, MAX_TOKENS, stream=rng.random() < 0.5)
+              for prompt in prompts]
 
-    def send() -> Answer:
-        return complete(deployment.proxy.url or "", body, timeout_s=args.timeout)
+    def send() -> list[Answer]:
+        url = deployment.proxy.url or ""
+        if len(bodies) == 1:
+            return [complete(url, bodies[0], timeout_s=args.timeout)]
+        with ThreadPoolExecutor(len(bodies), thread_name_prefix="soak-request") as pool:
+            return list(pool.map(lambda body: complete(url, body, timeout_s=args.timeout),
+                                 bodies))
 
     if fault in ("failed_read", "slow_read", "lost_ack"):
         setting = {"failed_read": {"fail_reads": 2}, "slow_read": {"stall_reads_s": 0.3},
@@ -277,6 +311,14 @@ def _one(deployment: Deployment, prompt: str, fault: str | None, args: argparse.
             return send()
         finally:
             deployment.restart_master()
+    if fault == "master_frozen":
+        pid = deployment.master.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            return send()
+        finally:
+            os.kill(pid, signal.SIGCONT)
     if fault == "decode_killed":
         killer = threading.Timer(rng.uniform(0.05, 0.5), deployment.decode.kill)
         killer.start()
@@ -288,7 +330,7 @@ def _one(deployment: Deployment, prompt: str, fault: str | None, args: argparse.
     return send()
 
 
-def _alongside(send: Callable[[], Answer], noise: Callable[[threading.Event], None]) -> Answer:
+def _alongside(send: Callable[[], _T], noise: Callable[[threading.Event], None]) -> _T:
     stop = threading.Event()
     thread = threading.Thread(target=noise, args=(stop,), daemon=True)
     thread.start()
@@ -299,6 +341,16 @@ def _alongside(send: Callable[[], Answer], noise: Callable[[threading.Event], No
         thread.join(10)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -306,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-decode-kills", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--concurrency", type=_positive, default=8,
+                        help="requests in flight at once (each batch shares its fault)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -313,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print()
     print(f"{'requests':<28}{result['requests']:>6}")
+    print(f"{'in flight at once':<28}{result['concurrency']:>6}")
     for kind in FAULTS:
         print(f"{'faults: ' + kind:<28}{result['faults'].get(kind, 0):>6}")
     for key in ("identical", "failed_cleanly", "wrong", "hung"):
@@ -323,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("none", *FAULTS):
         outcomes = result["by_fault"].get(kind, {})
         print(f"{kind:<16}" + "".join(f"{outcomes.get(key, 0):>16}" for key in OUTCOMES))
+    print()
+    for moment in ("start", "end"):
+        prints = result["footprints"].get(moment, {})
+        for name, engine in prints.get("engines", {}).items():
+            print(f"{moment + ' ' + name:<28}RSS {engine['rss_bytes'] / 2**20:8.0f} MiB, "
+                  f"{len(engine['shm_files'])} /dev/shm files ({engine['shm_bytes'] / 2**20:.0f} "
+                  f"MiB)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if result["wrong"] == result["hung"] == result["crashes"] == 0 else 1

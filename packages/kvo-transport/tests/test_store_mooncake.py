@@ -187,7 +187,7 @@ def test_bounded_and_direct_calls_move_the_same_bytes(master: MooncakeMaster,
                               [4096, 4096, 4096]) == [True, False, True]
         assert bytes(buf[16384:20480].tolist()) == bytes(buf[4096:8192].tolist())
         assert bytes(buf[24576:28672].tolist()) == bytes(buf[:4096].tolist())
-        assert store.exists(keys + ["absent"]) == [True, True, False]
+        assert store.exists([*keys, "absent"]) == [True, True, False]
         store.remove(keys)
         assert store.exists(keys) == [False, False]
     finally:
