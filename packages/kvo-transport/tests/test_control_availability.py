@@ -34,11 +34,13 @@ from kvo_transport.errors import LayerDeadlineError
 from kvo_transport.frame_auth import AuthCounters, ControlKey, Kind, PrefillChannel
 from kvo_transport.prefill_side import PrefillPublisher
 from kvo_transport.protocol import (
+    NO_SEQ,
     PROTOCOL_VERSION,
     FrameDecoder,
     HandshakeAnswer,
     MfMeta,
     ReadFailed,
+    ReadReadyBatch,
     encode,
 )
 
@@ -176,6 +178,37 @@ def test_a_session_that_missed_its_deadline_is_rebuilt_on_a_new_connection(
     assert routing_id(publisher, fake.endpoint) != first_id
     assert fake.handshakes_from[0] == fake.handshakes_from[1] == first_id  # the thief's, too
     assert len(fake.handshakes_from) == 3 and fake.handshakes_from[2] != first_id
+
+
+def test_a_session_the_decode_resets_fails_everything_in_flight_at_once_and_is_rebuilt(
+        engine, source, closing) -> None:
+    """A decode that no longer knows the session answers READ_FAILED asking for a handshake: the
+    READYs queued behind it there will never be answered on that connection either."""
+    first: list[ReadReadyBatch] = []
+
+    def reset_first(batch: ReadReadyBatch) -> list[Any]:
+        if first:
+            return [done(batch)]
+        first.append(batch)
+        return [ReadFailed(version=PROTOCOL_VERSION, seq=NO_SEQ, layer_index=0,
+                           reason="no session for this peer (decode restarted)",
+                           needs_handshake=True)]
+
+    fake = closing(FakeDecode(reset_first))
+    gates = SlotGates()
+    publisher = closing(make_publisher(engine, source, gates))
+    publisher.layer_deadline_s = 30.0  # far past WAIT: only the reset can end these READYs
+    request = publisher.ready_request("r", 0, (4, 5))
+    started = time.monotonic()
+    publisher.publish_layer(0, (1,), {fake.endpoint: [request]})
+    publisher.publish_layer(1, (2,), {fake.endpoint: [request]})
+    for key in ((1,), (2,)):
+        with pytest.raises(SlotFailedError, match="reset the control session: no session"):
+            gates.wait(key, WAIT)
+    publisher.publish_layer(0, (3,), {fake.endpoint: [request]})
+    gates.wait((3,), WAIT)
+    assert time.monotonic() - started < HANDSHAKE_S
+    assert publisher.renewed_sessions == 1 and len(fake.handshakes_from) == 2
 
 
 # -- 3. malformed READYs are answered ------------------------------------------------------------

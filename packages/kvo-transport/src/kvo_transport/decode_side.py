@@ -3,9 +3,13 @@
 One thread owns the socket and does everything in arrival order: handshakes, READY validation,
 the pull through the transfer engine, the answer. Order matters: a prefill rank's READYs arrive
 in the order it published them, so when its last layer for a request is done every earlier
-layer is done too. A frame that does not decode is logged and dropped; a READY that fails a
-check, or whose pull still fails after the configured retries, is answered READ_FAILED and its
-destination blocks are reported invalid, so nothing partially written is ever taken as valid.
+layer is done too. A READY that fails a check, or whose pull still fails after the configured
+retries, is answered READ_FAILED and its destination blocks are reported invalid, so nothing
+partially written is ever taken as valid. No READY goes unanswered: one that does not decode is
+answered READ_FAILED with the reason when its sequence number can be read; any other frame that
+does not decode resets its sender's session (READ_FAILED asking for a handshake) if it has one,
+else it is logged and dropped. A second connection that claims a connected prefill's routing id
+is refused by ZMQ (ROUTER_HANDOVER off): it can neither take that session over nor cut it off.
 
 After every successful data read the READY's fences are checked (kvo_transport.fence): the
 prefill's epoch words are read through the same engine and must still hold the READY's epochs;
