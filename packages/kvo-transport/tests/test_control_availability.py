@@ -30,7 +30,7 @@ from _control_harness import (
 from kvo_core.errors import SlotFailedError
 from kvo_core.gates import SlotGates
 from kvo_transport.engine import TransferEngine, create_transfer_engine
-from kvo_transport.errors import LayerDeadlineError
+from kvo_transport.errors import HandshakeTimeoutError, LayerDeadlineError
 from kvo_transport.frame_auth import AuthCounters, ControlKey, Kind, PrefillChannel
 from kvo_transport.prefill_side import PrefillPublisher
 from kvo_transport.protocol import (
@@ -178,6 +178,32 @@ def test_a_session_that_missed_its_deadline_is_rebuilt_on_a_new_connection(
     assert routing_id(publisher, fake.endpoint) != first_id
     assert fake.handshakes_from[0] == fake.handshakes_from[1] == first_id  # the thief's, too
     assert len(fake.handshakes_from) == 3 and fake.handshakes_from[2] != first_id
+
+
+def test_a_decode_that_stops_answering_fails_new_requests_within_a_layer_deadline(
+        engine, source, closing) -> None:
+    """After a missed deadline the renewed session's handshake may go unanswered (a frozen or
+    dead decode): each new request to that endpoint then fails within one layer deadline,
+    naming why the previous session ended, instead of stalling the prefill's step for the
+    whole handshake timeout (WAIT here) per request."""
+    answering = [True]
+    fake = closing(FakeDecode(lambda batch: [done(batch)] if answering[0] else []))
+    gates = SlotGates()
+    publisher = closing(make_publisher(engine, source, gates))
+    request = publisher.ready_request("r", 0, (4, 5))
+    publisher.publish_layer(0, (1,), {fake.endpoint: [request]})
+    gates.wait((1,), WAIT)
+
+    answering[0] = False
+    fake.answer_handshake = False
+    publisher.publish_layer(1, (2,), {fake.endpoint: [request]})
+    with pytest.raises(SlotFailedError):
+        gates.wait((2,), WAIT)
+    for _ in range(2):  # the pending handshake is kept: every later request fails as fast
+        started = time.monotonic()
+        with pytest.raises(HandshakeTimeoutError, match="previous session ended"):
+            publisher.connect(fake.endpoint)
+        assert time.monotonic() - started < DEADLINE_S + HANDSHAKE_S
 
 
 def test_a_session_the_decode_resets_fails_everything_in_flight_at_once_and_is_rebuilt(

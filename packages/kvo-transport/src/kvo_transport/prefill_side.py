@@ -128,6 +128,8 @@ class _Peer:
     connection: _Connection
     answered: threading.Event = attrs.Factory(threading.Event)
     answer: HandshakeAnswer | None = None
+    renewed_because: str | None = None
+    """Why the session before this one was torn down; None for a first handshake."""
 
 
 class PrefillPublisher:
@@ -246,6 +248,12 @@ class PrefillPublisher:
             if peer is not None and peer.answer is not None and peer.answer.accepted:
                 return peer  # the common case: already shaken hands
             fresh = peer is None
+            renewing = peer is not None and peer.renewed_because is not None
+            if renewing:
+                # A renewed session's handshake is already on its way: a decode that answers it
+                # does so well within a layer deadline, and one that does not must not stall
+                # the prefill's step for a whole handshake timeout per request.
+                timeout = min(timeout, self.layer_deadline_s)
             if peer is None:
                 require_secret_beyond_loopback(
                     self._control_key, endpoint_host(endpoint),
@@ -259,6 +267,11 @@ class PrefillPublisher:
             self._wake()
             self._send(peer.connection, self._meta_frame, hello=True)
         if not peer.answered.wait(timeout):
+            if renewing:  # keep the pending handshake: the decode may still answer it
+                raise HandshakeTimeoutError(
+                    f"decode control endpoint {endpoint} has not answered prefill "
+                    f"{self._label}'s new handshake within {timeout:g} s (its previous session "
+                    f"ended: {peer.renewed_because}); requests to it fail until it answers")
             self._drop_peer(peer)
             raise HandshakeTimeoutError(
                 f"decode control endpoint {endpoint} did not answer the MF_META handshake of "
@@ -670,7 +683,8 @@ class PrefillPublisher:
             peer = self._peers.get(endpoint)
             if self._closed or peer is None or peer.connection.number != number:
                 return
-            fresh = _Peer(endpoint=endpoint, connection=self._open(endpoint))
+            fresh = _Peer(endpoint=endpoint, connection=self._open(endpoint),
+                          renewed_because=why)
             self._peers[endpoint] = fresh
             self._dropped_connections.append(peer.connection)
             self._new_connections.append(fresh.connection)
