@@ -78,3 +78,19 @@ def test_triton_refusal_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(dispatch, "triton_available", lambda installed=installed: installed)
         with pytest.raises(ConfigError, match=reason):
             _resolve({"mode": "offload", "kernel_backend": "triton"})
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_ds_mla", "int8", "turboquant_4bit_nc"])
+def test_packed_main_kv_cache_is_refused_naming_the_field(dtype: str) -> None:
+    from kvo_vllm.dsa.config import check_main_kv_cache_dtype
+
+    with pytest.raises(ConfigError, match=rf"kv_cache_dtype='{dtype}' is a packed main-KV "
+                                          r"cache.*allowed: 'auto', 'bfloat16', 'float16'"):
+        check_main_kv_cache_dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16"])
+def test_unpacked_main_kv_cache_is_accepted(dtype: str) -> None:
+    from kvo_vllm.dsa.config import check_main_kv_cache_dtype
+
+    check_main_kv_cache_dtype(dtype)

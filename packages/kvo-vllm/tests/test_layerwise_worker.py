@@ -97,7 +97,7 @@ class MemoryStore:
 
 
 def make_rig(store: MemoryStore, *, staging_bytes: int = 0,
-             flush_nice: int = 0) -> tuple[LayerwiseWorker, dict]:
+             flush_nice: int = 0, saves_blocks: bool = True) -> tuple[LayerwiseWorker, dict]:
     """A worker over six layers sharing two buffers (layer 0 owns one); its live caches."""
     page = SPEC.page_size_bytes
     config = KVCacheConfig(
@@ -110,7 +110,7 @@ def make_rig(store: MemoryStore, *, staging_bytes: int = 0,
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
     worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
                              layer_deadline_s=5.0, staging_bytes=staging_bytes,
-                             flush_nice=flush_nice)
+                             flush_nice=flush_nice, saves_blocks=saves_blocks)
     worker.register_kv_caches(caches)
     return worker, caches
 
@@ -482,3 +482,42 @@ def test_block_runs_address_the_same_bytes_as_their_blocks(dsa_rig) -> None:
     assert buffer.run_locations([]) == ([], [])
     with pytest.raises(IndexError, match="outside"):
         buffer.run_locations([(NUM_BLOCKS - 2, 3)])
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 20])
+def test_replicated_kv_is_saved_by_rank_0_only_and_loaded_by_every_rank(
+        staging_bytes: int) -> None:
+    """MLA KV is the same on every TP rank: rank 0 saves each block once under keys every rank
+    shares; another rank (``saves_blocks=False``) puts and removes nothing, and loads those
+    keys into its own buffers."""
+    store = MemoryStore()
+    rank0, caches0 = make_rig(store, staging_bytes=staging_bytes)
+    rank1, caches1 = make_rig(store, staging_bytes=staging_bytes, saves_blocks=False)
+    try:
+        private = "q/e/r/0"
+        for worker, caches in ((rank0, caches0), (rank1, caches1)):
+            forward(worker, caches, step_meta(save=[(1, "b1"), (2, private)]),
+                    {1: 100.0, 2: 50.0})
+            worker.wait_staged_puts()
+        assert set(store.values) == {KEYS.key(name, i) for name in ("b1", private)
+                                     for i in range(6)}
+        assert rank1.stats.saved_blocks == 0
+        puts = [key for kind, key, _ in store.events if kind == "put"]
+        assert len(puts) == len(set(puts)) == 12            # each key put once, by rank 0
+        seen: dict[str, torch.Tensor] = {}
+        forward(rank1, caches1, step_meta(shared=[(1, "b1")], save=[(3, "b3")]), {3: 3.0},
+                seen)
+        for i, name in enumerate(NAMES):
+            assert torch.all(seen[name][1] == 100.0 + i), name   # rank 0's bytes
+        assert rank1.stats.loaded_blocks == 5
+        rank1.forget_requests({"r"})                         # removes nothing of rank 0's
+        assert KEYS.key(private, 0) in store.values
+        rank0.forget_requests({"r"})
+        rank0.wait_staged_puts()
+        deadline = time.monotonic() + 5
+        while KEYS.key(private, 0) in store.values and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert KEYS.key(private, 0) not in store.values
+    finally:
+        rank0.close()
+        rank1.close()

@@ -33,6 +33,25 @@ OFFLOAD_KERNEL_BACKENDS = ("auto", "reference", "fused")
 picks for the device (the reference on CPU)."""
 
 
+MAIN_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+"""vLLM ``kv_cache_dtype`` values kvo's sparse MLA backend serves: an unpacked main-KV row of
+the model's dtype (``auto``) or a 16-bit one. Packed main caches (fp8 / int8 / FP4 / TurboQuant
+rows with scales) are refused: the host pool, its residency copies and the P/D pulls move
+whole unpacked rows (DESIGN.md section 12: "BF16 main KV only")."""
+
+
+def check_main_kv_cache_dtype(cache_dtype: object) -> None:
+    """Refuse at start-up a packed main-KV cache, naming the field, the value and what is
+    allowed (vLLM would otherwise fail deep in backend selection or quietly pick another
+    backend)."""
+    if cache_dtype not in MAIN_KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype={cache_dtype!r} is a packed main-KV cache, which kvo's sparse MLA "
+            f"backend does not serve (its host pool and transfers move unpacked rows); "
+            f"allowed: {', '.join(repr(d) for d in MAIN_KV_CACHE_DTYPES)} (bfloat16 for "
+            f"DeepSeek-V3.2; 'auto' is the model's dtype)")
+
+
 def kernel_backends(mode: str) -> tuple[str, ...]:
     """The ``kernel_backend`` values kvo's sparse MLA backend can run in ``mode`` here."""
     return OFFLOAD_KERNEL_BACKENDS if mode == "offload" else RESIDENT_KERNEL_BACKENDS
@@ -125,6 +144,7 @@ def resolve_sparse_config(settings: Mapping[str, Any], *, index_topk: int,
 def sparse_config_for(vllm_config: Any) -> SparseDecodeOffloadConfig:
     """The validated settings for a vLLM engine serving a DeepSeek-V3.2-architecture model."""
     text_config = vllm_config.model_config.hf_text_config
+    check_main_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
     return resolve_sparse_config(raw_sparse_settings(vllm_config.additional_config),
                                  index_topk=int(text_config.index_topk),
                                  cache_block_size=int(vllm_config.cache_config.block_size))

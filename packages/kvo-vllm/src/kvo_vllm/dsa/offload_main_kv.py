@@ -3,10 +3,12 @@ in a kvo host pool (the seam: :mod:`kvo_vllm.dsa.main_kv`; the rules:
 :mod:`kvo_vllm.dsa.offload_manager`; what vLLM allocates: :mod:`kvo_vllm.dsa.offload_backend`).
 
 All offloaded layers of one worker share one :class:`OffloadWorker`: one host pool (every
-layer's rows, laid out by vLLM slot id), per-layer hot buffers and residency tables, one set
-of counters. It is created at the first write after vLLM bound the KV cache, when the number of
-blocks (the placeholder view's first dimension) and every offloaded layer (registered when
-kvo's model class binds the layers, draft layers included) are known.
+layer's rows, laid out by vLLM slot id; at TP > 1 the DP rank's one pool, created by TP rank 0
+and attached by the others, :mod:`kvo_vllm.dsa.offload_tp`), per-layer hot buffers and
+residency tables, one set of counters. It is created at the first write after vLLM bound the
+KV cache, when the number of blocks (the placeholder view's first dimension) and every
+offloaded layer (registered when kvo's model class binds the layers, draft layers included)
+are known.
 :func:`offload_workers` lists the live workers of this process (tests, benchmarks, metrics).
 """
 
@@ -26,6 +28,7 @@ from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
 from kvo_vllm.dsa.offload_fused import IndexerInputs
 from kvo_vllm.dsa.offload_manager import OffloadManager, StepInputs
 from kvo_vllm.dsa.offload_stats import OffloadStats
+from kvo_vllm.dsa.offload_tp import vllm_tp_group
 from kvo_vllm.sparse.layout import SparseModelLayout
 
 LOG_EVERY_ENV = "KVO_OFFLOAD_LOG_EVERY"
@@ -93,7 +96,8 @@ class OffloadWorker:
             pool_name=f"dsa-{os.getpid()}-{next(_pool_names)}",
             residency_backend=config.residency_backend,
             copy_implementation="reference" if config.kernel_backend == "reference" else None,
-            device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config))
+            device=placeholder.device, stats=self.stats, fused=uses_fused_ops(config),
+            tp_group=vllm_tp_group())
         return self.manager
 
     def step_inputs(self, manager: OffloadManager, metadata: Any) -> StepInputs:
@@ -166,6 +170,23 @@ def offload_worker_for(vllm_config: Any, layer_names: Iterable[str]) -> OffloadW
                           f"{len(worker.layer_names)} others are offloaded to the host pool; "
                           f"RemoteD2H needs one main-KV home for every layer")
     return worker
+
+
+def open_offload_pool(vllm_config: Any) -> OffloadManager | None:
+    """Build this engine worker's offload manager (its host pool) now, from the KV caches vLLM
+    bound to the offloaded layers; None when no layer of this engine is offloaded. Called at
+    start-up by kvo's worker class (:mod:`kvo_vllm.dsa.worker`), after vLLM bound the caches,
+    on every TP rank at the same point."""
+    layers = vllm_config.compilation_config.static_forward_context
+    worker = _workers.get(id(vllm_config))
+    if worker is None or not worker.matches(vllm_config):
+        found = [w for w in _workers.values() if w.layer_names
+                 and set(w.layer_names) <= set(layers)]
+        if len(found) != 1:
+            return None
+        worker = found[0]
+    caches = {name: layers[name].kv_cache for name in worker.layer_names}
+    return worker.manager_for(caches)
 
 
 def offload_workers() -> list[OffloadWorker]:

@@ -72,6 +72,7 @@ from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan, IdentityRows
 from kvo_vllm.dsa.offload_identity import RowIdentity
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
+from kvo_vllm.dsa.offload_tp import TPGroup, WriteNotices, open_shared_store
 from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
 from kvo_vllm.sparse.layout import SparseModelLayout
 from kvo_vllm.sparse.residency_backend import make_residency_table, native_host_tables
@@ -163,7 +164,8 @@ class OffloadManager:
                  max_rows: int, max_blocks_per_row: int, top_k: int, capacity: int,
                  decode_query_rows: int, pool_name: str, residency_backend: str = "torch",
                  copy_implementation: str | None = None, device: torch.device | str = "cpu",
-                 stats: OffloadStats | None = None, fused: bool = False) -> None:
+                 stats: OffloadStats | None = None, fused: bool = False,
+                 tp_group: TPGroup | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_rows", max_rows), ("max_blocks_per_row", max_blocks_per_row),
                             ("top_k", top_k), ("capacity", capacity),
@@ -185,8 +187,19 @@ class OffloadManager:
         self.copy_implementation = copy_implementation
         self.stats = stats or OffloadStats()
         nbytes = pool_bytes_for(num_blocks * block_size, layout, block_size)
-        self.store = HostKVStore.create(pool_name, nbytes, layout, block_size,
-                                        rope_apart=fused)
+        # Rows are written by this rank (TP 1, or TP rank 0) or by TP rank 0 of this DP rank
+        # into the pool this rank attached to (``offload_tp``: the write order).
+        self.notices: WriteNotices | None = None
+        if tp_group is None:
+            self.store = HostKVStore.create(pool_name, nbytes, layout, block_size,
+                                            rope_apart=fused)
+        else:
+            self.store, self.notices = open_shared_store(
+                tp_group,
+                create=lambda name: HostKVStore.create(name, nbytes, layout, block_size,
+                                                       rope_apart=fused),
+                attach=lambda name: HostKVStore.attach(name, layout, block_size,
+                                                       rope_apart=fused))
         try:
             rows = max_rows * capacity
             self.fused: FusedDecode | None = None
@@ -237,7 +250,7 @@ class OffloadManager:
             self.identity_rows = [IdentityRows(max_rows=max_rows, capacity=capacity)
                                   for _ in range(layers)]
         except BaseException:
-            self.store.close()
+            self.close()
             raise
 
     # -- what the device and the host hold ---------------------------------------------------
@@ -305,7 +318,24 @@ class OffloadManager:
     # -- the per-call pipeline ---------------------------------------------------------------
 
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write main-KV rows ``[N, row_dim]`` at vLLM slots ``[>= N]`` (-1 = skip)."""
+        """Write main-KV rows ``[N, row_dim]`` at vLLM slots ``[>= N]`` (-1 = skip).
+
+        With a pool shared by TP ranks only TP rank 0 writes, then tells the others; another
+        rank records the writes (block versions) and returns once rank 0 has told it, so its
+        reads of the pool later in this layer call see the rows (``offload_tp``)."""
+        notices = self.notices
+        if notices is None:
+            self._write_rows(layer, rows, slots)
+        elif notices.writer:
+            self._write_rows(layer, rows, slots)
+            notices.published()
+        else:
+            wanted = slots.reshape(-1)[:rows.shape[0]].cpu().numpy().astype(np.int64,
+                                                                            copy=False)
+            self.identity[layer].note_written_rows(wanted)
+            notices.wait_published()
+
+    def _write_rows(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if self.copy_implementation == "native" and self.fused is None:
             # One C++ call: the copies and the block versions of note_writes.
             identity = self.identity[layer]
@@ -819,5 +849,7 @@ class OffloadManager:
         return out
 
     def close(self) -> None:
-        """Release the host pool (unlinks the shared-memory segment)."""
+        """Release the host pool (its creator unlinks the shared-memory segment)."""
+        if self.notices is not None:
+            self.notices.close()
         self.store.close()

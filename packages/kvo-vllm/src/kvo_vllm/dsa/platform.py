@@ -19,8 +19,9 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   its host pool and the P/D pulls are built and tested without shared cached blocks, and a
   machine's instruction set must not change what a deployment does), and validates kvo's
   sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up; with
-  ``mode="offload"`` the backend is the offload one and vLLM's block count the host pool's
-  (:mod:`kvo_vllm.dsa.offload_backend`).
+  ``mode="offload"`` the backend is the offload one, vLLM's block count the host pool's
+  (:mod:`kvo_vllm.dsa.offload_backend`) and the worker kvo's, which opens the host pool at
+  start-up (:mod:`kvo_vllm.dsa.worker`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ logger = init_logger(__name__)
 
 SPARSE_MLA_BACKEND = "kvo_vllm.dsa.backend.KvoSparseMLABackend"
 DSA_BLOCK_SIZE = 64
+CPU_WORKER_CLS = "vllm.v1.worker.cpu_worker.CPUWorker"
+"""The worker class vLLM's ``CpuPlatform`` picks when the user left ``worker_cls`` at auto."""
 
 
 def _serves_sparse_mla(vllm_config: Any) -> bool:
@@ -88,6 +91,11 @@ class KvoCpuPlatform(CpuPlatform):
         from kvo_vllm.dsa.offload_backend import configure_mode
 
         configure_mode(vllm_config, config)
+        parallel = vllm_config.parallel_config
+        if config.mode == "offload" and parallel.worker_cls == CPU_WORKER_CLS:
+            from kvo_vllm.dsa.worker import WORKER_CLS
+
+            parallel.worker_cls = WORKER_CLS   # opens the host pool at start-up
         logger.info("kvo: sparse MLA model, block size %d, %s", cache.block_size, config)
 
 

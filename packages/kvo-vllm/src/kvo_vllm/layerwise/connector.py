@@ -93,6 +93,14 @@ def require_eager_mode(vllm_config: VllmConfig) -> None:
             f"got enforce_eager={vllm_config.model_config.enforce_eager!r}")
 
 
+def kv_replicated_across_tp(vllm_config: VllmConfig) -> bool:
+    """Every TP rank holds the same KV: an MLA model's latent and rope (and a DSA model's
+    indexer keys) come from replicated projections, one KV head per rank. Such a block is
+    stored once, by TP rank 0, under keys every rank loads (``StoreKeys`` of rank 0); a
+    model whose KV heads are split over the ranks stores each rank's share under its own."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
 def _store_namespace(vllm_config: VllmConfig, layout: LayerLayout) -> str:
     """What both the scheduler and the workers know: their KV-cache configs differ in specs
     (a DSA model's scheduler sees one merged spec) but not in the tensors' page sizes."""
@@ -137,23 +145,27 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self._metric_deltas = CounterDeltas()
         self._put_pending_at_stats = False
         self._puts = PendingPutsTracker()
+        replicated = kv_replicated_across_tp(vllm_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             apply_layout(kv_cache_config, self.layout)
+            tp_rank = get_tensor_model_parallel_rank()
             self._worker = LayerwiseWorker(
                 layout=self.layout,
-                keys=StoreKeys(namespace=namespace, rank=get_tensor_model_parallel_rank()),
+                keys=StoreKeys(namespace=namespace, rank=0 if replicated else tp_rank),
                 store=self._store, prefetch_depth=self.config.prefetch_depth,
                 layer_deadline_s=self.config.layer_deadline_s,
                 staging_bytes=self.config.save_staging_bytes,
-                flush_nice=self.config.flush_nice)
+                flush_nice=self.config.flush_nice,
+                saves_blocks=not replicated or tp_rank == 0)
         else:
             self._scheduler = LayerwiseScheduler(
                 block_size=self.layout.block_size,
                 stored_parts=self.layout.stored_parts,
                 keys=StoreKeys(namespace=namespace),
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                tp_size=1 if replicated else tp_size,
                 engine_id=engine_id, store_exists=self._store_exists,
                 block_ids_of=self._block_ids_of, evict_local=self._evict_cached)
         logger.info("kvo LayerwiseStoreConnector (%s): %s", role.name, self.layout.describe())

@@ -259,9 +259,13 @@ class LayerwiseWorker:
 
     def __init__(self, *, layout: LayerLayout, keys: StoreKeys, store: Any,
                  prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0,
-                 flush_nice: int = 0) -> None:
+                 flush_nice: int = 0, saves_blocks: bool = True) -> None:
         self.layout = layout
         self.keys = keys
+        self.saves_blocks = saves_blocks
+        """False on a TP rank other than 0 when the KV is replicated across TP ranks (MLA):
+        rank 0 saves every block once under keys all ranks share; this rank only loads them
+        (and removes nothing: the request-private keys are rank 0's too)."""
         self.store = store
         self.prefetch_depth = prefetch_depth
         self.layer_deadline_s = layer_deadline_s
@@ -374,10 +378,10 @@ class LayerwiseWorker:
         # gets them in descending order; sorted, they are a few runs to copy and address
         # (a copy and a range per run) instead of one per block (the order of a batched put
         # does not matter to the store).
-        self._saves = sorted(meta.saves(), key=_block_id)
+        self._saves = sorted(meta.saves(), key=_block_id) if self.saves_blocks else []
         self._save_prefixes = self.keys.block_prefixes([ref.name for ref in self._saves])
         self._save_runs = block_runs([ref.block_id for ref in self._saves])
-        for request in meta.requests:
+        for request in meta.requests if self.saves_blocks else ():
             names = {name for ref in request.save
                      if (name := ref.name).startswith(REQUEST_BLOCK_MARK)}
             if names:
@@ -579,7 +583,7 @@ class LayerwiseWorker:
         block saved last step) must not be loaded as if it were current. vLLM recomputes or
         fails the request once ``take_load_errors`` reports the blocks; its re-save un-poisons.
         """
-        if not self._step_failed or self._meta is None:
+        if not self._step_failed or self._meta is None or not self.saves_blocks:
             return self._saves  # read only (``_save_keys`` knows its prefixes)
         failed = self._step_failed
         trusted = LayerwiseMetadata(requests=tuple(
