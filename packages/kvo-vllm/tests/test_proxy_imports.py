@@ -7,11 +7,14 @@ health route, and none of those modules may have been imported.
 
 from __future__ import annotations
 
+import importlib
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+import pytest
 
 BLOCKED = ("torch", "vllm", "numpy", "zmq", "msgspec", "triton", "kvo_kernels")
 
@@ -61,3 +64,16 @@ def test_the_proxy_serves_with_torch_and_vllm_unimportable() -> None:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert "IMPORTED []" in out, (out, err[-3000:])
+
+
+def test_the_connectors_still_load_by_name_from_the_remote_d2h_package() -> None:
+    """vLLM loads ``kv_connector_module_path="kvo_vllm.remote_d2h"`` by importing the module and
+    looking the class up by name: the lazy import must answer that (and refuse other names)."""
+    module = importlib.import_module("kvo_vllm.remote_d2h")
+    from kvo_vllm.remote_d2h.connector import RemoteD2HConnector
+    from kvo_vllm.remote_d2h.multi import KvoMultiConnector
+
+    assert module.RemoteD2HConnector is RemoteD2HConnector
+    assert module.KvoMultiConnector is KvoMultiConnector
+    with pytest.raises(AttributeError, match="NoSuchConnector"):
+        _ = module.NoSuchConnector
