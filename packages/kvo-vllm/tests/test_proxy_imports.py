@@ -15,12 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.request
 from importlib.metadata import Distribution, distribution
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
