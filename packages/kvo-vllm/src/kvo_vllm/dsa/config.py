@@ -37,7 +37,7 @@ MAIN_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 """vLLM ``kv_cache_dtype`` values kvo's sparse MLA backend serves: an unpacked main-KV row of
 the model's dtype (``auto``) or a 16-bit one. Packed main caches (fp8 / int8 / FP4 / TurboQuant
 rows with scales) are refused: the host pool, its residency copies and the P/D pulls move
-whole unpacked rows (DESIGN.md section 12: "BF16 main KV only")."""
+whole unpacked rows (docs/design.md section 12: "BF16 main KV only")."""
 
 
 def check_main_kv_cache_dtype(cache_dtype: object) -> None:

@@ -1,4 +1,4 @@
-"""One decode DP rank's host pool, shared by its TP ranks (DESIGN.md sections 6 and 14).
+"""One decode DP rank's host pool, shared by its TP ranks (docs/design.md sections 6 and 14).
 
 The main-KV rows are replicated across TP ranks (MLA's latent and rope come from replicated
 projections), so a DP rank keeps one copy: TP rank 0 creates the pool, the other TP ranks
