@@ -257,7 +257,7 @@ import sys
 from kvo_transport.errors import HostPoolError
 from kvo_transport.host_pool import HostPool
 try:
-    pool = HostPool.create("test-small-shm", 32 * 2**20)
+    pool = HostPool.create("test-small-shm", 32 * 2**20, sized_by="the_test_setting")
 except HostPoolError as exc:
     print("ERROR:", exc)
     sys.exit(3)
@@ -283,7 +283,7 @@ def test_a_pool_larger_than_dev_shm_fails_at_create_naming_the_numbers() -> None
     message = result.stdout
     assert f"needs {32 * 2**20} bytes" in message
     assert "free of 8388608" in message  # the tmpfs's size, in bytes
-    assert "host_pool_bytes" in message and "--shm-size" in message
+    assert "make the pool smaller (the_test_setting)" in message and "--shm-size" in message
     # the failed create left nothing behind in the small /dev/shm
     check = _in_small_shm(SMALL_SHM_SCRIPT.replace("32 * 2**20", "4 * 2**20"))
     assert check.returncode == 0 and f"CREATED {4 * 2**20}" in check.stdout, check.stderr

@@ -95,7 +95,7 @@ def round_to_pages(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE_SIZE) * PAGE_SIZE
 
 
-def _shm_too_small(name: str, size: int, detail: str) -> HostPoolError:
+def _shm_too_small(name: str, size: int, detail: str, sized_by: str) -> HostPoolError:
     """The start-up error for a pool that /dev/shm cannot hold: what is needed, what is free,
     and the two settings that change it."""
     try:
@@ -106,13 +106,12 @@ def _shm_too_small(name: str, size: int, detail: str) -> HostPoolError:
         room = "an unknown number of bytes free"
     return HostPoolError(
         f"host pool {name!r} needs {size} bytes ({size / 2**20:.1f} MiB) of shared memory in "
-        f"{SHM_DIR}, which has {room} ({detail}): make the pool smaller (kvo_sparse."
-        f"host_pool_bytes, or max_num_seqs x max_model_len when it is unset) or give {SHM_DIR} "
-        "more room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory)"
+        f"{SHM_DIR}, which has {room} ({detail}): make the pool smaller ({sized_by}) or give "
+        f"{SHM_DIR} more room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory)"
     )
 
 
-def _reserve(fd: int, name: str, size: int) -> None:
+def _reserve(fd: int, name: str, size: int, sized_by: str) -> None:
     """Size the segment and reserve all of its pages now.
 
     A tmpfs hands out pages when they are first touched: a segment merely truncated to a size
@@ -124,14 +123,15 @@ def _reserve(fd: int, name: str, size: int) -> None:
     except OSError:
         fs = None
     if fs is not None and fs.f_blocks and size > fs.f_bavail * fs.f_frsize:
-        raise _shm_too_small(name, size, "checked before reserving")
+        raise _shm_too_small(name, size, "checked before reserving", sized_by)
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EOPNOTSUPP, errno.EINVAL):
             raise
         if exc.errno == errno.ENOSPC:
-            raise _shm_too_small(name, size, "reserving its pages failed: no space") from None
+            raise _shm_too_small(name, size, "reserving its pages failed: no space",
+                                 sized_by) from None
         # A file system without fallocate: size it, the pages come on first touch.
         os.ftruncate(fd, size)
 
@@ -209,8 +209,12 @@ class HostPool:
         self._finalizer = weakref.finalize(self, _release, path, pid if creator else -1, lock_fd)
 
     @classmethod
-    def create(cls, name: str, nbytes: int) -> HostPool:
-        """Create ``name`` with at least ``nbytes`` (rounded up to whole pages), zero-filled."""
+    def create(cls, name: str, nbytes: int, *, sized_by: str | None = None) -> HostPool:
+        """Create ``name`` with at least ``nbytes`` (rounded up to whole pages), zero-filled.
+
+        ``sized_by`` names the user's setting that decides ``nbytes``, for the error raised when
+        /dev/shm cannot hold the pool.
+        """
         path = shm_path(name)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise HostPoolError(
@@ -227,7 +231,7 @@ class HostPool:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" for as long as this process lives
-            _reserve(fd, name, size)
+            _reserve(fd, name, size, sized_by or f"the {nbytes} bytes asked of HostPool.create")
             mapping = _map_shared(fd, size)
         except HostPoolError:
             os.close(fd)

@@ -30,6 +30,9 @@ META_FIELDS = ("magic", "version", "num_layers", "row_dim", "dtype", "block_size
                "total_blocks", "rope_apart")
 _META_SLOTS = 16
 NO_OWNER = -1
+POOL_SIZE_SETTING = ("additional_config.kvo_sparse.host_pool_bytes, or max_num_seqs x "
+                     "max_model_len when it is unset")
+"""What decides the pool's size, named when /dev/shm cannot hold it."""
 
 
 def _header_bytes(total_blocks: int) -> int:
@@ -95,7 +98,7 @@ class HostKVStore:
     def create(cls, name: str, nbytes: int, layout: SparseModelLayout,
                block_size: int, *, rope_apart: bool = False) -> HostKVStore:
         plan_pool(nbytes, layout, block_size)  # refuse a too-small size before creating
-        pool = HostPool.create(name, nbytes)
+        pool = HostPool.create(name, nbytes, sized_by=POOL_SIZE_SETTING)
         store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size),
                     rope_apart=rope_apart)
         store.owners.fill_(NO_OWNER)
