@@ -5,15 +5,12 @@ pool per decode DP rank), sized from a ``SparseModelLayout`` by ``plan_pool`` /
 ``pool_bytes_for``; ``residency_backend`` picks each layer's residency table.
 """
 
-from kvo_vllm.sparse.allocator import RowRange, RowRangeAllocator
 from kvo_vllm.sparse.errors import TensorParallelError
 from kvo_vllm.sparse.host_store import HostKVStore, plan_pool, pool_bytes_for
 from kvo_vllm.sparse.layout import SparseModelLayout
 
 __all__ = [
     "HostKVStore",
-    "RowRange",
-    "RowRangeAllocator",
     "SparseModelLayout",
     "TensorParallelError",
     "plan_pool",

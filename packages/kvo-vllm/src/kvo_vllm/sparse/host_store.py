@@ -2,10 +2,9 @@
 
 One POSIX shared-memory pool per decode DP rank (``kvo_transport.host_pool.HostPool``): TP rank
 0 creates it and writes; the other TP ranks attach by name and read the same pages. The header
-records the geometry (so an attaching rank with a different model or block size fails at
-once) and the owner of every block (so a rank whose allocation diverged from rank 0's fails
-instead of reading another request's rows). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
-all offsets are Python ints (64-bit), whatever the pool size.
+records the geometry, so an attaching rank with a different model or block size fails at once
+(it also reserves one word per block, unused). Layer ``l`` is a ``[rows, latent + rope]``
+tensor; all offsets are Python ints (64-bit), whatever the pool size.
 
 ``rope_apart=True`` lays each layer's region out as ``[rows, latent]`` followed by
 ``[rows, rope]`` instead (same bytes per layer): the fused Copy-SFA op
@@ -20,7 +19,6 @@ import torch
 
 from kvo_core.errors import ConfigError
 from kvo_transport.host_pool import PAGE_SIZE, HostPool
-from kvo_vllm.sparse.allocator import RowRange
 from kvo_vllm.sparse.errors import TensorParallelError
 from kvo_vllm.sparse.layout import KV_DTYPES, SparseModelLayout
 
@@ -29,11 +27,10 @@ VERSION = 1
 META_FIELDS = ("magic", "version", "num_layers", "row_dim", "dtype", "block_size",
                "total_blocks", "rope_apart")
 _META_SLOTS = 16
-NO_OWNER = -1
 
 
 def _header_bytes(total_blocks: int) -> int:
-    raw = (_META_SLOTS + total_blocks) * 8
+    raw = (_META_SLOTS + total_blocks) * 8  # the metadata, then the reserved block words
     return -(-raw // PAGE_SIZE) * PAGE_SIZE
 
 
@@ -80,7 +77,6 @@ class HostKVStore:
         self.geometry = geometry
         self.rope_apart = rope_apart
         self._meta = pool.view(torch.int64, (_META_SLOTS,))
-        self.owners = pool.view(torch.int64, (geometry.total_blocks,), _META_SLOTS * 8)
         self.rows = pool.view(layout.kv_dtype,
                               (layout.num_layers, geometry.total_rows, layout.row_dim),
                               geometry.header_bytes)
@@ -98,7 +94,6 @@ class HostKVStore:
         pool = HostPool.create(name, nbytes)
         store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size),
                     rope_apart=rope_apart)
-        store.owners.fill_(NO_OWNER)
         store._meta[:len(META_FIELDS)] = torch.tensor(store._expected_meta())
         return store
 
@@ -139,30 +134,6 @@ class HostKVStore:
             return self.rows[layer][:, self.layout.latent_dim:]
         size = self.geometry.total_rows * self.layout.latent_dim
         return self._flat[layer, size:].view(self.geometry.total_rows, self.layout.rope_dim)
-
-    def region(self, layer: int, taken: RowRange) -> tuple[int, int]:
-        """(address, bytes) of a range of one layer in this process: what a transfer fills
-        (interleaved layout only: with rope_apart a row range is two regions)."""
-        if self.rope_apart:
-            raise ValueError("region() needs the interleaved layout (rope_apart=False)")
-        offset = (self.geometry.header_bytes
-                  + (layer * self.geometry.total_rows + taken.start) * self.layout.row_bytes)
-        return self.pool.ptr + offset, taken.rows * self.layout.row_bytes
-
-    def set_owner(self, taken: RowRange, owner: int) -> None:
-        block = self.geometry.block_size
-        self.owners[taken.start // block:taken.end // block] = owner
-
-    def check_owner(self, taken: RowRange, owner: int, rank: int) -> None:
-        """Fail if rank 0 recorded a different owner for these blocks (diverged allocation)."""
-        block = self.geometry.block_size
-        found = self.owners[taken.start // block:taken.end // block]
-        if bool((found != owner).any()):
-            others = sorted(set(found.tolist()) - {owner})
-            raise TensorParallelError(
-                f"TP rank {rank}: rows {taken.start}..{taken.end} of host pool "
-                f"{self.pool.name!r} belong to admission {others} on rank 0, not {owner}; "
-                "every rank must admit and finish the same requests in the same order")
 
     def close(self) -> None:
         self.pool.close()
