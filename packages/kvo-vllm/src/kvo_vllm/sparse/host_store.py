@@ -2,9 +2,9 @@
 
 One POSIX shared-memory pool per decode DP rank (``kvo_transport.host_pool.HostPool``): TP rank
 0 creates it and writes; the other TP ranks attach by name and read the same pages. The header
-records the geometry, so an attaching rank with a different model or block size fails at once
-(it also reserves one word per block, unused). Layer ``l`` is a ``[rows, latent + rope]``
-tensor; all offsets are Python ints (64-bit), whatever the pool size.
+records the geometry, so an attaching rank with a different model or block size fails at once,
+and reserves one word per block (NO_OWNER). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
+all offsets are Python ints (64-bit), whatever the pool size.
 
 ``rope_apart=True`` lays each layer's region out as ``[rows, latent]`` followed by
 ``[rows, rope]`` instead (same bytes per layer): the fused Copy-SFA op
@@ -27,10 +27,11 @@ VERSION = 1
 META_FIELDS = ("magic", "version", "num_layers", "row_dim", "dtype", "block_size",
                "total_blocks", "rope_apart")
 _META_SLOTS = 16
+NO_OWNER = -1
 
 
 def _header_bytes(total_blocks: int) -> int:
-    raw = (_META_SLOTS + total_blocks) * 8  # the metadata, then the reserved block words
+    raw = (_META_SLOTS + total_blocks) * 8
     return -(-raw // PAGE_SIZE) * PAGE_SIZE
 
 
@@ -77,6 +78,7 @@ class HostKVStore:
         self.geometry = geometry
         self.rope_apart = rope_apart
         self._meta = pool.view(torch.int64, (_META_SLOTS,))
+        self.owners = pool.view(torch.int64, (geometry.total_blocks,), _META_SLOTS * 8)
         self.rows = pool.view(layout.kv_dtype,
                               (layout.num_layers, geometry.total_rows, layout.row_dim),
                               geometry.header_bytes)
@@ -94,6 +96,7 @@ class HostKVStore:
         pool = HostPool.create(name, nbytes)
         store = cls(pool, layout, plan_pool(pool.nbytes, layout, block_size),
                     rope_apart=rope_apart)
+        store.owners.fill_(NO_OWNER)
         store._meta[:len(META_FIELDS)] = torch.tensor(store._expected_meta())
         return store
 
