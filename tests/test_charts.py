@@ -64,11 +64,6 @@ CONNECTOR_COST = {"benchmark": "connector_cost", "kvo_plans": ["kvo", "kvo-own"]
                    "total_less_copy": 5.7e-4}}
         for name, cost in (("kvo", 4e-4), ("kvo-own", 3e-4), ("peer", 9e-4))}}
     for n in (1024, 4096)]}
-SPARSE_DECODE = {"benchmark": "sparse_decode", "results": [
-    {"settings": {"requests": r, "capacity": 4096, "tokens": 32768},
-     "step_ms_a": 20.0 * r, "step_ms_b": 24.0 * r, "device_main_kv_bytes_a": r << 24,
-     "device_main_kv_bytes_b": r << 20, "full_reload_bytes_per_step": r << 22,
-     "h2d_bytes_per_step_steady": r << 16} for r in (1, 4)]}
 KERNELS = {"benchmark": "kernels", "top_k": 2048, "results": [
     {"tokens": n, "device": "cpu", "implementation": "reference", "reps": 1,
      "times_ms": {"lightning_indexer_manage": 3.0, "copy_sfa": 2.0, "sparse_copy": 0.5}}
@@ -87,7 +82,7 @@ FRAME_AUTH = {"frame_auth": [
                                                                   ("READY 1K blocks", 9000))]}
 SAMPLES = {"sparse_vllm": SPARSE_VLLM, "sparse_budget": SPARSE_BUDGET,
            "e2e_layerwise": E2E_LAYERWISE, "connector_cost": CONNECTOR_COST,
-           "sparse_decode": SPARSE_DECODE, "kernels": KERNELS, "transport": TRANSPORT,
+           "kernels": KERNELS, "transport": TRANSPORT,
            "store_outage": STORE_OUTAGE, "frame_auth": FRAME_AUTH, "residency": RESIDENCY,
            "residency_capacity": CAPACITY, "e2e": E2E}
 
@@ -114,7 +109,6 @@ def _labelled(figure: object) -> None:
     (_charts.e2e_layerwise_figure, {**E2E_LAYERWISE, "results": [  # run with --no-peer
         {k: v for k, v in r.items() if "peer" not in k} for r in E2E_LAYERWISE["results"]]}),
     (_charts.connector_cost_figure, CONNECTOR_COST),
-    (_charts.sparse_decode_figure, SPARSE_DECODE),
     (_charts.kernels_figure, KERNELS),
     (_charts.transport_figure, TRANSPORT),
     (_charts.transport_figure, {**TRANSPORT, "control_roundtrip": None}),

@@ -13,7 +13,6 @@ Charted, by benchmark name (the ``benchmark`` key or the file's stem):
 - sparse_budget: output tokens/s, device KV against the budget, running / preempted requests;
 - e2e_layerwise: prefill TTFT plain vs layerwise (vs vLLM's MooncakeStoreConnector), overhead;
 - connector_cost: each store connector's cost per prompt length, and its calls' time by group;
-- sparse_decode: the offload engine's step time, device main KV and H2D, offload vs resident;
 - kernels: time per fused op and implementation; transport: pull bandwidth and the control
   round trip; store_outage: store calls with the master down; frame_auth: MAC vs codec time;
 - pull latency per layer (the demo's and e2e's per-layer read statistics).
@@ -344,37 +343,6 @@ def connector_cost_figure(result: Record) -> Figure:
     return figure
 
 
-def sparse_decode_figure(result: Record) -> Figure:
-    """The offload engine outside vLLM per run (requests x capacity): step time resident (a)
-    vs offload (b), device main KV, and H2D per step against a full reload."""
-    rows = list(result["results"])
-    labels = [f"R={r['settings']['requests']}\nC={r['settings']['capacity']}" for r in rows]
-    figure, (steps, kv, h2d) = plt.subplots(1, 3, figsize=(15, 4))
-    _grouped_bars(steps, labels, [("(a) resident", [r["step_ms_a"] for r in rows]),
-                                  ("(b) offload", [r["step_ms_b"] for r in rows])])
-    steps.set_xlabel("run (requests R, hot capacity C in rows)")
-    steps.set_ylabel("decode step (ms, median)")
-    steps.set_title("Decode step time")
-    steps.legend()
-    _grouped_bars(kv, labels, [
-        ("(a) resident", [r["device_main_kv_bytes_a"] / 2**20 for r in rows]),
-        ("(b) offload", [r["device_main_kv_bytes_b"] / 2**20 for r in rows])])
-    kv.set_xlabel("run (requests R, hot capacity C in rows)")
-    kv.set_ylabel("device main KV (MiB)")
-    kv.set_title("Device main KV")
-    kv.legend()
-    _grouped_bars(h2d, labels, [
-        ("full reload", [r["full_reload_bytes_per_step"] / 2**20 for r in rows]),
-        ("kvo offload", [r["h2d_bytes_per_step_steady"] / 2**20 for r in rows])])
-    h2d.set_xlabel("run (requests R, hot capacity C in rows)")
-    h2d.set_ylabel("host -> device per step (MiB)")
-    h2d.set_title("H2D per decode step (steady)")
-    h2d.legend()
-    figure.suptitle("Sparse decode offload engine: offload vs resident")
-    figure.tight_layout()
-    return figure
-
-
 def kernels_figure(result: Record) -> Figure:
     """Time per fused op and implementation, per context length."""
     rows = list(result["results"])
@@ -460,7 +428,6 @@ CHARTS: dict[str, Callable[[Record], Figure]] = {
     "sparse_budget": sparse_budget_figure,
     "e2e_layerwise": e2e_layerwise_figure,
     "connector_cost": connector_cost_figure,
-    "sparse_decode": sparse_decode_figure,
     "kernels": kernels_figure,
     "transport": transport_figure,
     "store_outage": store_outage_figure,

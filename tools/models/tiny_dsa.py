@@ -1,11 +1,10 @@
 """A tiny DeepSeek-V3.2-style decoder: MLA latent KV, lightning indexer, top-k sparse attention.
 
-It exists to prove sparse decode offload end to end: random weights from a fixed seed, a few
-layers, small widths, a small top-k, so that on a CPU the top-k changes from step to step over
-prompts of a few hundred tokens. The model only computes; where a layer's KV lives and how the
-selected rows reach attention is the job of a ``SparseKVBackend`` (the fully resident oracle in
-this file, or kvo's ``SparseDecodeOffload``). Both backends call the same reference primitives on
-the same rows in the same order, so their arithmetic is identical and so are the tokens.
+It gives the residency_capacity benchmark a top-k trace that a model produced: random
+weights from a fixed seed, a few layers, small widths, a small top-k, so that on a CPU the top-k
+changes from step to step over prompts of a few hundred tokens. The model only computes; where a
+layer's KV lives and how the selected rows reach attention is the job of a ``SparseKVBackend``
+(the fully resident oracle in this file), which calls kvo-kernels' reference primitives.
 """
 
 from __future__ import annotations
@@ -233,7 +232,3 @@ class ResidentBackend:
     def finish(self, request_id: int) -> None:
         for table in (self._kv, self._index_keys, self._lengths):
             table.pop(request_id, None)
-
-    def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for table in (self._kv, self._index_keys) for ts in table.values() for t in ts)

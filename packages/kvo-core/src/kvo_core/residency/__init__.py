@@ -4,7 +4,8 @@ Per layer, R decode rows x C slots: which token each slot holds, LRU replacement
 the slot of every top-k position plus the host -> device copies (misses). Two implementations
 that agree slot for slot: ``ReferenceResidency`` (pure Python, reads like the rules) and
 ``ResidencyTable`` (vectorised torch, used at run time); ``belady_min_misses`` is the offline
-optimum to judge the policy by.
+optimum to judge the policy by; ``ResidencyTableLike`` is what a caller holding any of
+them (or kvo-kernels' native table) relies on.
 """
 
 from kvo_core.residency.belady import belady_min_misses
@@ -15,6 +16,7 @@ from kvo_core.residency.inputs import (
     RESULT_DTYPE,
     TOPK_DTYPES,
 )
+from kvo_core.residency.protocol import ResidencyTableLike
 from kvo_core.residency.reference import ReferenceResidency
 from kvo_core.residency.state import (
     EMPTY,
@@ -40,5 +42,6 @@ __all__ = [
     "ResidencyOverflowError",
     "ResidencyResult",
     "ResidencyTable",
+    "ResidencyTableLike",
     "belady_min_misses",
 ]

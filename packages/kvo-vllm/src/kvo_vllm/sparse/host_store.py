@@ -2,9 +2,8 @@
 
 One POSIX shared-memory pool per decode DP rank (``kvo_transport.host_pool.HostPool``): TP rank
 0 creates it and writes; the other TP ranks attach by name and read the same pages. The header
-records the geometry (so an attaching rank with a different model or block size fails at
-once) and the owner of every block (so a rank whose allocation diverged from rank 0's fails
-instead of reading another request's rows). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
+records the geometry, so an attaching rank with a different model or block size fails at once,
+and reserves one word per block (NO_OWNER). Layer ``l`` is a ``[rows, latent + rope]`` tensor;
 all offsets are Python ints (64-bit), whatever the pool size.
 
 ``rope_apart=True`` lays each layer's region out as ``[rows, latent]`` followed by
@@ -20,7 +19,6 @@ import torch
 
 from kvo_core.errors import ConfigError
 from kvo_transport.host_pool import PAGE_SIZE, HostPool
-from kvo_vllm.sparse.allocator import RowRange
 from kvo_vllm.sparse.errors import TensorParallelError
 from kvo_vllm.sparse.layout import KV_DTYPES, SparseModelLayout
 
@@ -142,30 +140,6 @@ class HostKVStore:
             return self.rows[layer][:, self.layout.latent_dim:]
         size = self.geometry.total_rows * self.layout.latent_dim
         return self._flat[layer, size:].view(self.geometry.total_rows, self.layout.rope_dim)
-
-    def region(self, layer: int, taken: RowRange) -> tuple[int, int]:
-        """(address, bytes) of a range of one layer in this process: what a transfer fills
-        (interleaved layout only: with rope_apart a row range is two regions)."""
-        if self.rope_apart:
-            raise ValueError("region() needs the interleaved layout (rope_apart=False)")
-        offset = (self.geometry.header_bytes
-                  + (layer * self.geometry.total_rows + taken.start) * self.layout.row_bytes)
-        return self.pool.ptr + offset, taken.rows * self.layout.row_bytes
-
-    def set_owner(self, taken: RowRange, owner: int) -> None:
-        block = self.geometry.block_size
-        self.owners[taken.start // block:taken.end // block] = owner
-
-    def check_owner(self, taken: RowRange, owner: int, rank: int) -> None:
-        """Fail if rank 0 recorded a different owner for these blocks (diverged allocation)."""
-        block = self.geometry.block_size
-        found = self.owners[taken.start // block:taken.end // block]
-        if bool((found != owner).any()):
-            others = sorted(set(found.tolist()) - {owner})
-            raise TensorParallelError(
-                f"TP rank {rank}: rows {taken.start}..{taken.end} of host pool "
-                f"{self.pool.name!r} belong to admission {others} on rank 0, not {owner}; "
-                "every rank must admit and finish the same requests in the same order")
 
     def close(self) -> None:
         self.pool.close()

@@ -1,7 +1,7 @@
 """The per-token geometry of a sparse-attention model's caches (MLA latent + rope, indexer key).
 
-The engine sizes the host pool, the hot buffers and the indexer cache from this, and checks
-every decode call's tensors against it, so a model/engine mismatch fails at the boundary.
+The host pool and ``kvo_vllm.dsa``'s offload manager size the pool and the hot buffers from
+this; a bad value fails here, naming the field.
 """
 
 from __future__ import annotations
@@ -59,10 +59,6 @@ class SparseModelLayout:
     def row_bytes(self) -> int:
         """Bytes of one token's main-KV row in one layer: the unit of a host -> device copy."""
         return self.row_dim * int(self.kv_dtype.itemsize)
-
-    @property
-    def index_row_bytes(self) -> int:
-        return self.index_dim * int(self.index_dtype.itemsize)
 
     @property
     def host_bytes_per_token(self) -> int:

@@ -8,22 +8,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
-from kvo_core.residency import ResidencyResult, ResidencyTable
+from kvo_core.residency import ResidencyTable, ResidencyTableLike
 
 logger = logging.getLogger(__name__)
 _fallback_logged = threading.Event()
-
-
-class ResidencyTableLike(Protocol):
-    def update(self, topk: torch.Tensor, request_ids: torch.Tensor, stable_lens: torch.Tensor,
-               states: torch.Tensor | None = None, *, seq_lens: torch.Tensor | None = None,
-               out: ResidencyResult | None = None) -> ResidencyResult: ...
-
-    def reset_row(self, row: int) -> None: ...
 
 
 def make_residency_table(backend: str, rows: int, capacity: int) -> ResidencyTableLike:
