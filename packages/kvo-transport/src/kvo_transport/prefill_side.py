@@ -81,6 +81,9 @@ from kvo_transport.protocol import (
 from kvo_transport.ready_ledger import Outcome, PendingReady, ReadyLedger
 
 log = logging.getLogger("kvo.transport.prefill")
+RENEWAL_WAIT_S = 5.0
+"""The least time one caller waits for a renewed session's handshake (a layer deadline when
+longer): a decode that is only busy answers within it, a silent one costs the prefill that once."""
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's enum arithmetic costs microseconds per call
 _POLLIN = int(zmq.POLLIN)
@@ -130,6 +133,8 @@ class _Peer:
     answer: HandshakeAnswer | None = None
     renewed_because: str | None = None
     """Why the session before this one was torn down; None for a first handshake."""
+    renewal_waited: bool = False
+    """A caller already waited its bounded time for this renewed handshake, in vain."""
 
 
 class PrefillPublisher:
@@ -250,10 +255,13 @@ class PrefillPublisher:
             fresh = peer is None
             renewing = peer is not None and peer.renewed_because is not None
             if renewing:
-                # A renewed session's handshake is already on its way: a decode that answers it
-                # does so well within a layer deadline, and one that does not must not stall
-                # the prefill's step for a whole handshake timeout per request.
-                timeout = min(timeout, self.layer_deadline_s)
+                # A renewed session's handshake is already on its way. A live decode answers it
+                # within a layer deadline (or RENEWAL_WAIT_S, for a busy one); a silent one must
+                # not stall the prefill's steps for a handshake timeout per request: one caller
+                # waits that long, later ones fail at once until the decode answers.
+                assert peer is not None
+                timeout = 0.0 if peer.renewal_waited else min(
+                    timeout, max(self.layer_deadline_s, RENEWAL_WAIT_S))
             if peer is None:
                 require_secret_beyond_loopback(
                     self._control_key, endpoint_host(endpoint),
@@ -268,6 +276,7 @@ class PrefillPublisher:
             self._send(peer.connection, self._meta_frame, hello=True)
         if not peer.answered.wait(timeout):
             if renewing:  # keep the pending handshake: the decode may still answer it
+                peer.renewal_waited = True
                 raise HandshakeTimeoutError(
                     f"decode control endpoint {endpoint} has not answered prefill "
                     f"{self._label}'s new handshake within {timeout:g} s (its previous session "
