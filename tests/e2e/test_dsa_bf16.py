@@ -12,12 +12,11 @@ tests/e2e/test_dsa_bf16.py`` (``nox -s e2e`` sets these).
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import attrs
 import pytest
 import torch
@@ -32,65 +31,26 @@ PROMPTS = [
 MAX_TOKENS = [10, 8]
 LATENT_ROPE = 512 + 64
 
-Answers = list[tuple[list[int], list[float]]]
 
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-bf16"),
-                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+engine_env = e2e.engine_env_fixture()
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32-bf16", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 def _engine(model: Path, mode: str, **extra: Any) -> Any:
-    from vllm import LLM
-
-    return LLM(model=str(model), dtype="bfloat16", enforce_eager=True,
-               distributed_executor_backend="uni", max_model_len=512, max_num_seqs=2,
-               max_num_batched_tokens=STEP_TOKENS, seed=0,
-               additional_config={"kvo_sparse": {"mode": mode}}, **extra)
+    return e2e.start_engine(model, dtype="bfloat16", max_model_len=512, max_num_seqs=2,
+                            max_num_batched_tokens=STEP_TOKENS,
+                            additional_config={"kvo_sparse": {"mode": mode}}, **extra)
 
 
-def _generate(llm: Any) -> Answers:
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
-              for n in MAX_TOKENS]
-    answers = []
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        answers.append((tokens, [step[t].logprob for step, t in
-                                 zip(completion.logprobs, tokens, strict=True)]))
-    return answers
-
-
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
+def _generate(llm: Any) -> e2e.Answers:
+    return e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
 
 
 @attrs.frozen
 class Runs:
-    resident: Answers
-    offload: Answers
+    resident: e2e.Answers
+    offload: e2e.Answers
     pool_dtype: torch.dtype
     pool_row_bytes: int
     misses: int
@@ -103,7 +63,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
 
     llm = _engine(dsv32_model, "resident")
     resident = _generate(llm)
-    _stop(llm)
+    e2e.stop_engine(llm)
     del llm
     earlier = {id(w) for w in offload_workers()}
     llm = _engine(dsv32_model, "offload")
@@ -114,7 +74,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
     yield Runs(resident=resident, offload=offload, pool_dtype=manager.layout.kv_dtype,
                pool_row_bytes=manager.row_bytes, misses=worker.stats.totals.misses,
                hits=worker.stats.totals.hits)
-    _stop(llm)
+    e2e.stop_engine(llm)
 
 
 def test_bf16_offload_equals_resident_tokens_and_logprobs(runs: Runs) -> None:

@@ -22,12 +22,11 @@ tests/e2e/test_dsa_offload.py`` (``nox -s e2e`` sets these).
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import attrs
 import pytest
 import torch
@@ -51,56 +50,19 @@ CAPACITY = 2 * INDEX_TOPK   # the default hot row
 SHORT_PROMPT = "Short prompts start in the hot row. "      # < CAPACITY tokens
 SHORT_TOKENS = 48    # decodes past CAPACITY
 
-Answers = list[tuple[list[int], list[float]]]
 
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "KVO_OFFLOAD_HISTORY": "1000000"}  # the tests read every layer call
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-offload"),
-                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+# KVO_OFFLOAD_HISTORY: the tests read every layer call
+engine_env = e2e.engine_env_fixture({"KVO_OFFLOAD_HISTORY": "1000000"})
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32-offload", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 def _engine(model: Path, mode: str, settings: dict[str, Any] | None = None,
             **extra: Any) -> Any:
-    from vllm import LLM
-
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               distributed_executor_backend="uni", max_model_len=512, max_num_seqs=2,
-               max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=BLOCKS, seed=0,
-               additional_config={"kvo_sparse": {"mode": mode, **(settings or {})}}, **extra)
-
-
-def _generate(llm: Any, prompts: list[str], max_tokens: list[int]) -> Answers:
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
-              for n in max_tokens]
-    answers = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        answers.append((tokens, [step[t].logprob for step, t in
-                                 zip(completion.logprobs, tokens, strict=True)]))
-    return answers
+    return e2e.start_engine(model, max_model_len=512, max_num_seqs=2,
+                            max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=BLOCKS,
+                            additional_config={"kvo_sparse": {"mode": mode, **(settings or {})}},
+                            **extra)
 
 
 def _model(llm: Any) -> Any:
@@ -128,18 +90,13 @@ def _count_preemptions(llm: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
 @attrs.frozen
 class Runs:
-    resident: Answers
-    offload: Answers
+    resident: e2e.Answers
+    offload: e2e.Answers
     resident_preemptions: int
     offload_preemptions: int
-    resident_probes: Answers           # MISS_PROMPT, HIT_PROMPT
+    resident_probes: e2e.Answers           # MISS_PROMPT, HIT_PROMPT
     miss_probe: tuple[list[int], list[float]]
     hit_probe: tuple[list[int], list[float]]
     probe_misses: list[int]            # layer-0 misses of the probe steps: (miss, hit) probe
@@ -199,13 +156,14 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
     with pytest.MonkeyPatch.context() as mp:
         llm = _engine(dsv32_model, "resident")
         preempted = _count_preemptions(llm, mp)
-        resident = _generate(llm, PROMPTS, MAX_TOKENS)
+        resident = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
         resident_preemptions = preempted[0]
-        probes = [_generate(llm, [p], [PROBE_TOKENS])[0] for p in (MISS_PROMPT, HIT_PROMPT)]
-        resident_short = _generate(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
+        probes = [e2e.greedy_answers(llm, [p], [PROBE_TOKENS])[0]
+                  for p in (MISS_PROMPT, HIT_PROMPT)]
+        resident_short = e2e.greedy_answers(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
         short_prompt_tokens = len(llm.get_tokenizer()(SHORT_PROMPT).input_ids)
         resident_main = _main_kv_bytes(llm)
-        _stop(llm)
+        e2e.stop_engine(llm)
         del llm
 
         copied = [0]
@@ -234,7 +192,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         mp.setattr(offload_manager, "copy_residency_misses_host", measured_one_pass)
         llm = _engine(dsv32_model, "offload")
         preempted = _count_preemptions(llm, mp)
-        offload = _generate(llm, PROMPTS, MAX_TOKENS)
+        offload = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
         offload_preemptions = preempted[0]
         worker = next(w for w in offload_workers() if w.manager is not None
                       and w.stats.totals.calls > 0)
@@ -244,13 +202,13 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         misses_main = worker.stats.totals.misses
         probe_misses: list[int] = []
         restore = _overwrite_before_step(mp, resident=False, misses=probe_misses)
-        miss_probe = _generate(llm, [MISS_PROMPT], [PROBE_TOKENS])[0]
+        miss_probe = e2e.greedy_answers(llm, [MISS_PROMPT], [PROBE_TOKENS])[0]
         restore()
         restore = _overwrite_before_step(mp, resident=True, misses=probe_misses)
-        hit_probe = _generate(llm, [HIT_PROMPT], [PROBE_TOKENS])[0]
+        hit_probe = e2e.greedy_answers(llm, [HIT_PROMPT], [PROBE_TOKENS])[0]
         restore()
         calls_before = len(worker.stats.history)
-        offload_short = _generate(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
+        offload_short = e2e.greedy_answers(llm, [SHORT_PROMPT], [SHORT_TOKENS])[0]
         short_calls = list(worker.stats.history)[calls_before:]
         yield Runs(
             resident=resident, offload=offload, resident_preemptions=resident_preemptions,
@@ -264,7 +222,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             offload_main_kv_bytes=_main_kv_bytes(llm), pool_bytes=manager.pool_region[1],
             short_prompt_tokens=short_prompt_tokens, resident_short=resident_short,
             offload_short=offload_short, short_calls=short_calls)
-        _stop(llm)
+        e2e.stop_engine(llm)
 
 
 def test_offload_equals_resident_tokens_and_logprobs(runs: Runs) -> None:
@@ -337,7 +295,7 @@ def test_short_prompt_stays_on_the_device_until_it_outgrows_the_hot_row(runs: Ru
 
 @attrs.frozen
 class FusedRun:
-    answers: Answers
+    answers: e2e.Answers
     preemptions: int
     manage_calls: int          # kvo::lightning_indexer_manage calls (decode rows)
     copy_sfa_calls: int        # kvo::scatter_copy_sparse_flash_attention calls
@@ -371,7 +329,7 @@ def fused_run(engine_env: None, dsv32_model: Path) -> Iterator[FusedRun]:
         mp.setattr(ops, "scatter_copy_sparse_flash_attention", counted_copy_sfa)
         llm = _engine(dsv32_model, "offload", {"kernel_backend": "fused"})
         preempted = _count_preemptions(llm, mp)
-        answers = _generate(llm, PROMPTS, MAX_TOKENS)
+        answers = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
         worker = next(w for w in offload_workers() if id(w) not in earlier
                       and w.manager is not None)
         manager = worker.manager
@@ -379,7 +337,7 @@ def fused_run(engine_env: None, dsv32_model: Path) -> Iterator[FusedRun]:
                        copy_sfa_calls=counts["copy_sfa"], copied_rows=counts["rows"],
                        stats=worker.stats, row_bytes=manager.row_bytes,
                        hot_bytes=manager.hot_buffer_bytes)
-        _stop(llm)
+        e2e.stop_engine(llm)
 
 
 def test_fused_decode_gives_the_same_tokens_as_non_fused(runs: Runs, fused_run: FusedRun
@@ -412,12 +370,10 @@ def test_mtp_query_rows_share_the_residency_row(engine_env: None,
     request's residency row; rejected drafts are rewritten next step (stable-prefix rule).
     Offload equals resident, tokens and logprobs; the draft layer is offloaded too. With
     ``kernel_backend="fused"`` the two rows go through one manage call (same tokens)."""
-    from models.tiny_dsv32 import build_tiny_dsv32
-
     from kvo_vllm.dsa.offload_main_kv import offload_workers
 
-    model = build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-mtp-offload"),
-                             num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, mtp=True)
+    model = e2e.tiny_dsv32(tmp_path_factory, "tiny-dsv32-mtp-offload", num_layers=NUM_LAYERS,
+                           index_topk=INDEX_TOPK, mtp=True)
     speculative = {"method": "mtp", "num_speculative_tokens": 1}
     prompts, max_tokens = [PROMPTS[1], PROMPTS[3]], [8, 8]
     answers = {}
@@ -426,7 +382,7 @@ def test_mtp_query_rows_share_the_residency_row(engine_env: None,
                            ("fused", {"kernel_backend": "fused"})):
         llm = _engine(model, "resident" if mode == "resident" else "offload", settings,
                       speculative_config=speculative)
-        answers[mode] = _generate(llm, prompts, max_tokens)
+        answers[mode] = e2e.greedy_answers(llm, prompts, max_tokens)
         if mode == "fused":
             fused_shared = [s for w in offload_workers() if id(w) not in earlier
                             and w.manager is not None and w.manager.fused is not None
@@ -437,7 +393,7 @@ def test_mtp_query_rows_share_the_residency_row(engine_env: None,
             names = {name for w in workers for name in w.layer_names}
             shared = [s for w in workers for s in w.stats.history
                       if s.decode_tokens > s.decode_rows]
-        _stop(llm)
+        e2e.stop_engine(llm)
         del llm
     assert f"model.layers.{NUM_LAYERS}.self_attn.attn" in names     # the MTP layer
     assert shared                     # verify steps: two query rows in one residency row

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import attrs
 import pytest
 
@@ -50,61 +51,16 @@ PROBE_STEP = 3   # the decode step (1 = first decode) before which rank 0 overwr
 POOL_PREFIX = "kvo-hostpool-dsa-"
 PROBE_SITE = Path(__file__).resolve().parent / "tp_probe_site"
 
-Answers = list[tuple[list[int], list[float]]]
 
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-tp2"),
-                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+engine_env = e2e.engine_env_fixture(e2e.TP2_WORKERS)
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32-tp2", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 def _engine(model: Path, mode: str, tp: int = 2) -> Any:
-    from vllm import LLM
-
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               distributed_executor_backend="mp" if tp > 1 else "uni",
-               tensor_parallel_size=tp, max_model_len=512, max_num_seqs=2,
-               max_num_batched_tokens=STEP_TOKENS, seed=0,
-               additional_config={"kvo_sparse": {"mode": mode}})
-
-
-def _generate(llm: Any, prompts: list[str], max_tokens: list[int]) -> Answers:
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
-              for n in max_tokens]
-    answers = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        answers.append((tokens, [step[t].logprob for step, t in
-                                 zip(completion.logprobs, tokens, strict=True)]))
-    return answers
-
-
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
+    return e2e.start_engine(model, tp=tp, max_model_len=512, max_num_seqs=2,
+                            max_num_batched_tokens=STEP_TOKENS,
+                            additional_config={"kvo_sparse": {"mode": mode}})
 
 
 def _pool_files() -> set[Path]:
@@ -135,8 +91,8 @@ def _records(records: Path, rank: int, tag: str) -> list[dict[str, Any]]:
 
 @attrs.frozen
 class Runs:
-    resident: Answers
-    offload: Answers
+    resident: e2e.Answers
+    offload: e2e.Answers
     tp2_pools: set[Path]
     tp2_pool_holders: set[int]
     tp2_pool_bytes: int
@@ -153,15 +109,15 @@ def runs(engine_env: None, dsv32_model: Path, tmp_path_factory: pytest.TempPathF
 
     records = tmp_path_factory.mktemp("tp2-probe")
     llm = _engine(dsv32_model, "resident")
-    resident = _generate(llm, PROMPTS, MAX_TOKENS)
-    _stop(llm)
+    resident = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
+    e2e.stop_engine(llm)
     del llm
 
     earlier = {id(w) for w in offload_workers()}
     llm = _engine(dsv32_model, "offload", tp=1)
     worker = next(w for w in offload_workers() if id(w) not in earlier and w.manager)
     tp1_pool_bytes = worker.manager.pool_region[1]
-    _stop(llm)
+    e2e.stop_engine(llm)
     del llm
 
     switch = records / "switch"
@@ -171,18 +127,18 @@ def runs(engine_env: None, dsv32_model: Path, tmp_path_factory: pytest.TempPathF
         llm = _engine(dsv32_model, "offload")
         pools = _pool_files() - before   # opened at start-up, before any request
         holders = _lock_holders(next(iter(pools))) if len(pools) == 1 else set()
-        offload = _generate(llm, PROMPTS, MAX_TOKENS)
+        offload = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
         switch.write_text("base")
-        base = _generate(llm, [PROBE_PROMPT], [PROBE_TOKENS])[0]
+        base = e2e.greedy_answers(llm, [PROBE_PROMPT], [PROBE_TOKENS])[0]
         switch.write_text("corrupt")
-        corrupt = _generate(llm, [PROBE_PROMPT], [PROBE_TOKENS])[0]
+        corrupt = e2e.greedy_answers(llm, [PROBE_PROMPT], [PROBE_TOKENS])[0]
         switch.unlink()
         yield Runs(resident=resident, offload=offload, tp2_pools=pools,
                    tp2_pool_holders=holders,
                    tp2_pool_bytes=next(iter(pools)).stat().st_size if pools else -1,
                    tp1_pool_bytes=tp1_pool_bytes, base_probe=base, corrupt_probe=corrupt,
                    records=records)
-        _stop(llm)
+        e2e.stop_engine(llm)
 
 
 def test_offload_tp2_equals_resident_tp2_tokens_and_logprobs(runs: Runs) -> None:

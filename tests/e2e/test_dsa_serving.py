@@ -14,12 +14,10 @@ tests/e2e/test_dsa_serving.py`` (``nox -s e2e`` sets these).
 
 from __future__ import annotations
 
-import gc
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import attrs
 import pytest
 import torch
@@ -34,64 +32,22 @@ PROMPTS = [
     "Hello, sparse world",                                               # shorter than top-k
 ]
 
-Answers = list[tuple[list[int], list[float]]]
 C8 = {"indexer_kv_dtype": "int8"}
 
 
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    """In-process engines; the other variables are the nox session's (set them by hand)."""
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32"), num_layers=NUM_LAYERS,
-                            index_topk=INDEX_TOPK)
+engine_env = e2e.engine_env_fixture()
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 def _engine(model: Path, **extra: Any) -> Any:
-    from vllm import LLM
-
-    settings: dict[str, Any] = dict(
-        model=str(model), dtype="float32", enforce_eager=True,
-        distributed_executor_backend="uni", max_model_len=1024, max_num_seqs=4,
-        max_num_batched_tokens=STEP_TOKENS, seed=0)
-    settings.update(extra)
-    return LLM(**settings)
+    settings: dict[str, Any] = dict(max_model_len=1024, max_num_seqs=4,
+                                    max_num_batched_tokens=STEP_TOKENS)
+    return e2e.start_engine(model, **{**settings, **extra})   # extra may override these
 
 
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
-def _generate(llm: Any, prompts: list[str] = PROMPTS) -> Answers:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
-                            ignore_eos=True)
-    results = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
-                                                                strict=True)]
-        results.append((tokens, logprobs))
-    return results
+def _generate(llm: Any, prompts: list[str] = PROMPTS) -> e2e.Answers:
+    return e2e.greedy_answers(llm, prompts, MAX_TOKENS)
 
 
 def _layer_kinds(model: Any) -> dict[str, int]:
@@ -188,18 +144,18 @@ def _record_checks(model: Any) -> list[LayerCheck]:
 
 @attrs.frozen
 class Served:
-    first: Answers
-    second: Answers
+    first: e2e.Answers
+    second: e2e.Answers
     counted: dict[str, int]
     """kvo's counters over the first generate."""
     kinds: dict[str, int]
     prompt_lengths: list[int]
-    one_at_a_time: Answers
+    one_at_a_time: e2e.Answers
     """The same prompts through an engine with max_num_seqs=1."""
     checks: list[LayerCheck]
     """Every sparse attention call of one more generate (chunked prefills and decodes), checked
     against references."""
-    c8: Answers
+    c8: e2e.Answers
     """The prompts through an engine with the int8 (C8) indexer cache."""
     c8_row_bytes: list[int]
 
@@ -220,12 +176,12 @@ def served(engine_env: None, dsv32_model: Path) -> Served:
         checks = llm.apply_model(_record_checks)[0]
         _generate(llm)
     finally:
-        _stop(llm)
+        e2e.stop_engine(llm)
     single = _engine(dsv32_model, max_num_seqs=1)
     try:
         one_at_a_time = _generate(single)
     finally:
-        _stop(single)
+        e2e.stop_engine(single)
     c8_engine = _engine(dsv32_model, additional_config={"kvo_sparse": C8})
     try:
         c8 = _generate(c8_engine)
@@ -233,7 +189,7 @@ def served(engine_env: None, dsv32_model: Path) -> Served:
             lambda model: sorted({m.k_cache.kv_cache.shape[-1] for m in model.modules()
                                   if hasattr(m, "k_cache")}))[0]
     finally:
-        _stop(c8_engine)
+        e2e.stop_engine(c8_engine)
     return Served(first=first, second=second, counted=counted, kinds=kinds,
                   prompt_lengths=lengths, one_at_a_time=one_at_a_time, checks=checks, c8=c8,
                   c8_row_bytes=c8_row_bytes)
@@ -375,7 +331,7 @@ def test_c8_indexer_through_the_fused_ops_gives_the_same_tokens(engine_env: None
         try:
             answers = _generate(llm)
         finally:
-            _stop(llm)
+            e2e.stop_engine(llm)
     assert calls[0] >= NUM_LAYERS * (MAX_TOKENS - 1)   # every decode step, every layer
     assert [tokens for tokens, _ in answers] == [tokens for tokens, _ in served.c8]
 
@@ -385,19 +341,17 @@ def test_mtp_speculative_decoding_gives_the_same_tokens(engine_env: None, served
                                                         ) -> None:
     """The draft model (one MTP layer, its own indexer) runs through kvo's indexer and backend;
     the main model verifies two query rows per request per step and must answer as without."""
-    from models.tiny_dsv32 import build_tiny_dsv32
-
     from kvo_vllm.dsa.stats import COUNTERS
 
-    model = build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-mtp"), num_layers=NUM_LAYERS,
-                             index_topk=INDEX_TOPK, mtp=True)  # same main layers, one MTP layer
+    model = e2e.tiny_dsv32(tmp_path_factory, "tiny-dsv32-mtp", num_layers=NUM_LAYERS,
+                           index_topk=INDEX_TOPK, mtp=True)  # same main layers, one MTP layer
     llm = _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     try:
         COUNTERS.reset()
         answers = _generate(llm)
         counted = attrs.asdict(COUNTERS)
     finally:
-        _stop(llm)
+        e2e.stop_engine(llm)
     assert [tokens for tokens, _ in answers] == [tokens for tokens, _ in served.first]
     # the main layers alone would have indexed exactly served.counted's rows; the draft's
     # layer and the verified draft tokens add more

@@ -19,20 +19,16 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KVO_IN_NETNS") != "1",
-    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
-           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
-           "nox -s e2e does this)")
+pytestmark = e2e.NEEDS_NETNS
 
 NUM_LAYERS = 8
 SHARED_BUFFERS = 2
@@ -48,23 +44,7 @@ PROMPTS = [
 ]
 
 
-Answers = list[tuple[list[int], list[float]]]
-
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    """In-process engines; the other variables are the nox session's (set them by hand)."""
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+engine_env = e2e.engine_env_fixture(clear_sparse_config=False)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +55,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model: Path, **extra: Any) -> Any:
-    from vllm import LLM
-
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               distributed_executor_backend="uni",
-               max_model_len=1024, block_size=BLOCK_SIZE, max_num_batched_tokens=STEP_TOKENS,
-               seed=0, **extra)
+    return e2e.start_engine(model, max_model_len=1024, block_size=BLOCK_SIZE,
+                            max_num_batched_tokens=STEP_TOKENS, **extra)
 
 
 def _stop(llm: Any) -> None:
@@ -89,28 +65,16 @@ def _stop(llm: Any) -> None:
         llm._kvo_stopped = True
 
 
-def _generate(llm: Any, prompts: list[str] = PROMPTS) -> Answers:
-    """Greedy tokens and their logprobs, per prompt."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
-                            ignore_eos=True)
-    results = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
-                                                                strict=True)]
-        results.append((tokens, logprobs))
-    return results
+def _generate(llm: Any, prompts: list[str] = PROMPTS) -> e2e.Answers:
+    return e2e.greedy_answers(llm, prompts, MAX_TOKENS)
 
 
 @dataclass(frozen=True)
 class Reference:
     """Plain vLLM's answers: computed from scratch, and again with its prefix cache warm."""
 
-    cold: Answers
-    prefix_hit: Answers
+    cold: e2e.Answers
+    prefix_hit: e2e.Answers
 
 
 @pytest.fixture(scope="module")
@@ -122,51 +86,18 @@ def reference(engine_env: None, tiny_model: Path) -> Reference:
         _stop(llm)
 
 
-@pytest.fixture(scope="module")
-def master() -> Iterator[Any]:
-    from kvo_transport.mooncake_master import MooncakeMaster
-
-    with MooncakeMaster() as running:
-        yield running
-
-
-@dataclass(frozen=True)
-class KvoEngine:
-    llm: Any
-    cold: Answers
-    """Its first answers, with an empty store and an empty prefix cache."""
+master = e2e.mooncake_master_fixture()
 
 
 @pytest.fixture(scope="module")
 def kvo(engine_env: None, tiny_model: Path, master: Any,
-        reference: Reference) -> Iterator[KvoEngine]:
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
-        kv_role="kv_both",
-        kv_connector_extra_config={"store_master_address": master.address,
-                                   "shared_buffers": SHARED_BUFFERS,
-                                   "independent_layers": [0], "prefetch_depth": 1})
+        reference: Reference) -> Iterator[e2e.KvoEngine]:
+    transfer = e2e.layerwise_transfer(master.address, shared_buffers=SHARED_BUFFERS)
     llm = _engine(tiny_model, kv_transfer_config=transfer)
     try:
-        yield KvoEngine(llm=llm, cold=_generate(llm))
+        yield e2e.KvoEngine(llm=llm, cold=_generate(llm))
     finally:
         _stop(llm)
-
-
-def _worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvo_vllm.layerwise import LayerwiseStoreConnector
-
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, LayerwiseStoreConnector)
-    return connector
-
-
-def _scheduler_connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
 def _live_kv_caches(worker: Any) -> dict[str, tuple[int, int]]:
@@ -180,16 +111,16 @@ def _live_kv_caches(worker: Any) -> dict[str, tuple[int, int]]:
     return caches
 
 
-def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Reference) -> None:
+def test_same_tokens_and_logprobs_as_plain_vllm(kvo: e2e.KvoEngine, reference: Reference) -> None:
     assert kvo.cold == reference.cold
-    stats = _worker_connector().stats
+    stats = e2e.layerwise_worker_connector().stats
     assert stats.saved_blocks > 0
     # Later chunks and decode steps refill the shared buffers from the store.
     assert stats.loaded_blocks > 0
     assert stats.failed_loads == 0 and stats.failed_saves == 0
 
 
-def test_buffer_reuse_is_active_in_the_live_kv_cache(kvo: KvoEngine) -> None:
+def test_buffer_reuse_is_active_in_the_live_kv_cache(kvo: e2e.KvoEngine) -> None:
     caches = kvo.llm.collective_rpc(_live_kv_caches)[0]
     assert len(caches) == NUM_LAYERS
     pointers = {pointer for pointer, _ in caches.values()}
@@ -199,15 +130,15 @@ def test_buffer_reuse_is_active_in_the_live_kv_cache(kvo: KvoEngine) -> None:
         by_pointer.setdefault(pointer, []).append(int(name.split(".")[2]))
     assert sorted(sorted(layers) for layers in by_pointer.values()) == [
         [0], [1, 3, 5, 7], [2, 4, 6]]
-    layout = _worker_connector().layout
+    layout = e2e.layerwise_worker_connector().layout
     per_layer = {size for _, size in caches.values()}
     assert per_layer == {layout.layer_region_bytes}
     assert layout.physical_bytes * NUM_LAYERS == layout.logical_bytes * PHYSICAL_BUFFERS
 
 
-def test_prefix_hit_after_reset_loads_through_the_store(kvo: KvoEngine,
+def test_prefix_hit_after_reset_loads_through_the_store(kvo: e2e.KvoEngine,
                                                          reference: Reference) -> None:
-    worker, scheduler = _worker_connector(), _scheduler_connector(kvo.llm)
+    worker, scheduler = e2e.layerwise_worker_connector(), e2e.scheduler_connector(kvo.llm)
     assert kvo.llm.reset_prefix_cache()  # vLLM's own cache is empty; the store is not
     layer0_before = worker.stats.loaded_blocks_by_layer.get(0, 0)
     hits_before = scheduler.scheduler_stats.hit_tokens
@@ -224,11 +155,11 @@ def test_prefix_hit_after_reset_loads_through_the_store(kvo: KvoEngine,
         hit_tokens // BLOCK_SIZE)
 
 
-def test_corrupted_loaded_block_changes_the_output(kvo: KvoEngine,
+def test_corrupted_loaded_block_changes_the_output(kvo: e2e.KvoEngine,
                                                    reference: Reference) -> None:
     import torch
 
-    connector = _worker_connector()
+    connector = e2e.layerwise_worker_connector()
     generator = torch.Generator().manual_seed(0)
     corrupted: list[str] = []
 
@@ -256,7 +187,7 @@ class FailingGets:
     def __init__(self, count: int) -> None:
         from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS
 
-        self.worker = _worker_connector().worker
+        self.worker = e2e.layerwise_worker_connector().worker
         self.left = count * LOAD_ATTEMPTS  # every retry of ``count`` loads fails too
         self._get = self.worker.store.get_into
 
@@ -274,14 +205,14 @@ class FailingGets:
         self.worker.store.get_into = self._get
 
 
-def test_failed_load_fails_the_request_never_answers_wrong(kvo: KvoEngine,
+def test_failed_load_fails_the_request_never_answers_wrong(kvo: e2e.KvoEngine,
                                                           reference: Reference) -> None:
     """Default policy ("fail"): a request whose KV did not load ends without tokens."""
-    failed_before = _worker_connector().stats.failed_loads
+    failed_before = e2e.layerwise_worker_connector().stats.failed_loads
     assert kvo.llm.reset_prefix_cache()
     with FailingGets(1) as failing:
         answers = _generate(kvo.llm)
-    assert failing.left == 0 and _worker_connector().stats.failed_loads > failed_before
+    assert failing.left == 0 and e2e.layerwise_worker_connector().stats.failed_loads > failed_before
     assert any(not tokens for tokens, _ in answers)  # some request was failed...
     for (tokens, _), (want, _) in zip(answers, reference.prefix_hit, strict=True):
         assert not tokens or tokens == want  # ...and none answered from broken KV
@@ -290,13 +221,13 @@ def test_failed_load_fails_the_request_never_answers_wrong(kvo: KvoEngine,
 
 
 def test_a_late_removal_of_a_poisoned_block_never_fails_a_later_request(
-        kvo: KvoEngine, reference: Reference) -> None:
+        kvo: e2e.KvoEngine, reference: Reference) -> None:
     """Issue 13 §6: a store failure poisons the blocks the failed requests computed; their
     removal from the store runs in the background, and on a loaded machine (or behind a read
     lease) it can come after the next generation computed and saved the same blocks again.
     It must not delete those: the next decode step reloads them, and a missing block fails
     a request that did nothing wrong (seen: 4 of 6 tokens, then the end)."""
-    worker = _worker_connector().worker
+    worker = e2e.layerwise_worker_connector().worker
     assert kvo.llm.reset_prefix_cache()
     with HeldRemovals(worker) as held:
         with FailingGets(1):
@@ -312,13 +243,13 @@ def test_a_late_removal_of_a_poisoned_block_never_fails_a_later_request(
 
 
 def test_a_poisoned_block_is_gone_from_the_store_before_the_next_lookup(
-        kvo: KvoEngine) -> None:
+        kvo: e2e.KvoEngine) -> None:
     """The other way a failure could reach a later request: the failed requests' blocks are
     poisoned (this worker never loads them), but while their removal is still under way the
     scheduler's store lookup finds them and promises them to the next request with the same
     prefix, whose load then fails. A step that poisoned keys ends only once they are removed."""
     longer = PROMPTS[1] + "It goes on for another sentence or two."
-    worker = _worker_connector().worker
+    worker = e2e.layerwise_worker_connector().worker
     assert kvo.llm.reset_prefix_cache()
     with HeldRemovals(worker):
         with FailingGets(1):
@@ -335,18 +266,12 @@ def test_a_poisoned_block_is_gone_from_the_store_before_the_next_lookup(
 
 
 def test_failed_load_is_recomputed_to_the_same_answer(engine_env: None, tiny_model: Path,
-                                                      master: Any, kvo: KvoEngine,
+                                                      master: Any, kvo: e2e.KvoEngine,
                                                       reference: Reference) -> None:
     """kv_load_failure_policy="recompute": vLLM recomputes what did not load; same answers."""
-    from vllm.config import KVTransferConfig
-
     _stop(kvo.llm)  # one engine at a time in this process (vLLM's global connector state)
-    transfer = KVTransferConfig(
-        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"store_master_address": master.address,
-                                   "shared_buffers": SHARED_BUFFERS,
-                                   "independent_layers": [0], "prefetch_depth": 1})
+    transfer = e2e.layerwise_transfer(master.address, shared_buffers=SHARED_BUFFERS,
+                                      kv_load_failure_policy="recompute")
     llm = _engine(tiny_model, kv_transfer_config=transfer)
     try:
         assert _generate(llm) == reference.cold

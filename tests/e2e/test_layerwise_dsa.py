@@ -22,20 +22,15 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KVO_IN_NETNS") != "1",
-    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
-           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
-           "nox -s e2e does this)")
+pytestmark = e2e.NEEDS_NETNS
 
 NUM_LAYERS = 4
 INDEX_TOPK = 32
@@ -50,32 +45,10 @@ PROMPTS = [
 ]
 LOGPROB_TOLERANCE = 1e-4
 
-Answers = list[tuple[list[int], list[float]]]
 
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    """In-process engines; the other variables are the nox session's (set them by hand)."""
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32"), num_layers=NUM_LAYERS,
-                            index_topk=INDEX_TOPK)
+engine_env = e2e.engine_env_fixture()
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "int8"])
@@ -85,37 +58,19 @@ def indexer_dtype(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(model: Path, indexer_dtype: str, **extra: Any) -> Any:
-    from vllm import LLM
-
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               additional_config={"kvo_sparse": {"indexer_kv_dtype": indexer_dtype}},
-               distributed_executor_backend="uni", max_model_len=1024, max_num_seqs=4,
-               max_num_batched_tokens=STEP_TOKENS, seed=0, **extra)
+    return e2e.start_engine(model,
+                            additional_config={"kvo_sparse": {"indexer_kv_dtype": indexer_dtype}},
+                            max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=STEP_TOKENS,
+                            **extra)
 
 
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
-def _generate(llm: Any) -> Answers:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
-                            ignore_eos=True)
-    results = []
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens,
-                                                                strict=True)]
-        results.append((tokens, logprobs))
-    return results
+def _generate(llm: Any) -> e2e.Answers:
+    return e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
 
 
 @dataclass(frozen=True)
 class Reference:
-    cold: Answers
+    cold: e2e.Answers
 
 
 @pytest.fixture(scope="module")
@@ -124,70 +79,27 @@ def reference(engine_env: None, dsv32_model: Path, indexer_dtype: str) -> Refere
     try:
         return Reference(cold=_generate(llm))
     finally:
-        _stop(llm)
+        e2e.stop_engine(llm)
 
 
-def _distance(answers: Answers, want: Answers) -> float:
-    """Infinite when any token differs, else the largest logprob difference."""
-    worst = 0.0
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, want, strict=True):
-        if tokens != want_tokens:
-            return float("inf")
-        worst = max([worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs,
-                                                        strict=True))])
-    return worst
-
-
-def _store_hit(llm: Any) -> Answers:
+def _store_hit(llm: Any) -> e2e.Answers:
     """The prompts again with vLLM's cache emptied: their whole blocks come from the store."""
     assert llm.reset_prefix_cache()
     return _generate(llm)
 
 
-@pytest.fixture(scope="module")
-def master() -> Iterator[Any]:
-    from kvo_transport.mooncake_master import MooncakeMaster
-
-    with MooncakeMaster() as running:
-        yield running
-
-
-@dataclass(frozen=True)
-class KvoEngine:
-    llm: Any
-    cold: Answers
+master = e2e.mooncake_master_fixture()
 
 
 @pytest.fixture(scope="module")
 def kvo(engine_env: None, dsv32_model: Path, indexer_dtype: str, master: Any,
-        reference: Reference) -> Iterator[KvoEngine]:
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
-        kv_role="kv_both",
-        kv_connector_extra_config={"store_master_address": master.address,
-                                   "shared_buffers": SHARED_BUFFERS,
-                                   "independent_layers": [0], "prefetch_depth": 1})
+        reference: Reference) -> Iterator[e2e.KvoEngine]:
+    transfer = e2e.layerwise_transfer(master.address, shared_buffers=SHARED_BUFFERS)
     llm = _engine(dsv32_model, indexer_dtype, kv_transfer_config=transfer)
     try:
-        yield KvoEngine(llm=llm, cold=_generate(llm))
+        yield e2e.KvoEngine(llm=llm, cold=_generate(llm))
     finally:
-        _stop(llm)
-
-
-def _worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvo_vllm.layerwise import LayerwiseStoreConnector
-
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, LayerwiseStoreConnector)
-    return connector
-
-
-def _scheduler_connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+        e2e.stop_engine(llm)
 
 
 def _live_caches(worker: Any) -> dict[str, tuple[int, int]]:
@@ -207,9 +119,9 @@ def _layer_of(name: str) -> int:
     return int(name.split(".")[2])
 
 
-def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Reference) -> None:
+def test_same_tokens_and_logprobs_as_plain_vllm(kvo: e2e.KvoEngine, reference: Reference) -> None:
     assert kvo.cold == reference.cold
-    stats = _worker_connector().stats
+    stats = e2e.layerwise_worker_connector().stats
     # Both parts were saved, and the later chunks reloaded both into the shared slots.
     assert stats.saved_bytes_by_part.get("kv", 0) > 0 and stats.saved_bytes_by_part.get(
         "idx", 0) > 0
@@ -218,7 +130,7 @@ def test_same_tokens_and_logprobs_as_plain_vllm(kvo: KvoEngine, reference: Refer
     assert stats.failed_loads == 0 and stats.failed_saves == 0
 
 
-def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine,
+def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: e2e.KvoEngine,
                                                              indexer_dtype: str) -> None:
     caches = kvo.llm.collective_rpc(_live_caches)[0]
     main = {name: ptr for name, (ptr, _) in caches.items() if name.endswith(".attn")}
@@ -231,7 +143,7 @@ def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine,
             by_pointer.setdefault(pointer, []).append(_layer_of(name))
         # The indexer follows its layer: the same layers share its storage.
         assert sorted(sorted(layers) for layers in by_pointer.values()) == [[0], [1, 3], [2]]
-    layout = _worker_connector().layout
+    layout = e2e.layerwise_worker_connector().layout
     assert layout.part_names == ("kv", "idx")
     row_bytes = {"bfloat16": 256, "int8": 128 + 2 + 2}[indexer_dtype]  # C8: keys, scale, pad
     assert {layer.parts[1].block_bytes for layer in layout.layers} == {BLOCK_SIZE * row_bytes}
@@ -240,15 +152,15 @@ def test_main_kv_and_indexer_caches_share_their_layers_slots(kvo: KvoEngine,
 
 
 def test_prefix_hit_after_reset_loads_both_parts_through_the_store(
-        kvo: KvoEngine, reference: Reference) -> None:
-    worker, scheduler = _worker_connector(), _scheduler_connector(kvo.llm)
+        kvo: e2e.KvoEngine, reference: Reference) -> None:
+    worker, scheduler = e2e.layerwise_worker_connector(), e2e.scheduler_connector(kvo.llm)
     layer0_before = worker.stats.loaded_blocks_by_layer.get(0, 0)
     indexer_before = worker.stats.loaded_bytes_by_part.get("idx", 0)
     hits_before = scheduler.scheduler_stats.hit_tokens
 
     answers = _store_hit(kvo.llm)
 
-    assert _distance(answers, reference.cold) <= LOGPROB_TOLERANCE
+    assert e2e.logprob_distance(answers, reference.cold) <= LOGPROB_TOLERANCE
     hit_tokens = scheduler.scheduler_stats.hit_tokens - hits_before
     # Whole blocks before each prompt's last token: 4 + 1 + 2 blocks of 64 tokens.
     assert hit_tokens == 7 * BLOCK_SIZE
@@ -259,9 +171,9 @@ def test_prefix_hit_after_reset_loads_both_parts_through_the_store(
         NUM_LAYERS * hit_tokens // BLOCK_SIZE * indexer_block)
 
 
-def test_corrupted_indexer_block_on_load_changes_the_output(kvo: KvoEngine,
+def test_corrupted_indexer_block_on_load_changes_the_output(kvo: e2e.KvoEngine,
                                                             reference: Reference) -> None:
-    connector = _worker_connector()
+    connector = e2e.layerwise_worker_connector()
     corrupted: list[str] = []
 
     def corrupt(cache_name: str, cache: Any, block_ids: list[int]) -> None:
@@ -278,6 +190,6 @@ def test_corrupted_indexer_block_on_load_changes_the_output(kvo: KvoEngine,
     finally:
         connector.set_load_hook(None)
     assert corrupted
-    assert _distance(damaged, clean) > 1e-3  # far beyond rounding: the selection changed
+    assert e2e.logprob_distance(damaged, clean) > 1e-3  # far beyond rounding: the selection changed
     # The damage stayed on the device: the store still holds the right blocks.
     assert _store_hit(kvo.llm) == clean

@@ -16,22 +16,17 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 
 from __future__ import annotations
 
-import gc
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _engines as e2e
 import attrs
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KVO_IN_NETNS") != "1",
-    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
-           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
-           "nox -s e2e does this)")
+pytestmark = e2e.NEEDS_NETNS
 
 NUM_LAYERS = 2
 INDEX_TOPK = 32
@@ -44,67 +39,20 @@ PROMPTS = [
 ]
 LOGPROB_TOLERANCE = 1e-4
 
-Answers = list[tuple[list[int], list[float]]]
 
-
-@pytest.fixture(scope="module")
-def engine_env() -> Iterator[None]:
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-    os.environ.pop("KVO_SPARSE_CONFIG", None)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
-def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_dsv32 import build_tiny_dsv32
-
-    return build_tiny_dsv32(tmp_path_factory.mktemp("tiny-dsv32-lw-tp2"),
-                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+engine_env = e2e.engine_env_fixture(e2e.TP2_WORKERS)
+dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32-lw-tp2", num_layers=NUM_LAYERS,
+                                      index_topk=INDEX_TOPK)
 
 
 def _engine(model: Path, master: Any, tp: int) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
-        kv_role="kv_both",
-        kv_connector_extra_config={"store_master_address": master.address,
-                                   "shared_buffers": 1, "independent_layers": [0],
-                                   "prefetch_depth": 1})
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               distributed_executor_backend="mp" if tp > 1 else "uni",
-               tensor_parallel_size=tp, max_model_len=1024, max_num_seqs=2,
-               max_num_batched_tokens=STEP_TOKENS, seed=0, kv_transfer_config=transfer)
+    transfer = e2e.layerwise_transfer(master.address, shared_buffers=1)
+    return e2e.start_engine(model, tp=tp, max_model_len=1024, max_num_seqs=2,
+                            max_num_batched_tokens=STEP_TOKENS, kv_transfer_config=transfer)
 
 
-def _generate(llm: Any) -> Answers:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
-                            ignore_eos=True)
-    results = []
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        results.append((tokens, [step[t].logprob for step, t in
-                                 zip(completion.logprobs, tokens, strict=True)]))
-    return results
-
-
-def _stop(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
+def _generate(llm: Any) -> e2e.Answers:
+    return e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
 
 
 def _metrics(master: Any) -> dict[str, float]:
@@ -137,22 +85,12 @@ def _gets(metrics: dict[str, float]) -> float:
     return metrics.get("master_batch_get_replica_list_items_total", 0.0)
 
 
-def _distance(answers: Answers, want: Answers) -> float:
-    worst = 0.0
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, want, strict=True):
-        if tokens != want_tokens:
-            return float("inf")
-        worst = max([worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs,
-                                                        strict=True))])
-    return worst
-
-
 @attrs.frozen
 class Runs:
     tp1: dict[str, float]
     tp2: dict[str, float]
-    tp2_cold: Answers
-    tp2_hit: Answers
+    tp2_cold: e2e.Answers
+    tp2_hit: e2e.Answers
     tp2_hit_gets: float
     hit_blocks: int          # whole blocks before each prompt's last token
 
@@ -165,7 +103,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         llm = _engine(dsv32_model, master, tp=1)
         _generate(llm)
         tp1 = _settled(master)   # before the stop: the blocks live in the engine's segment
-        _stop(llm)
+        e2e.stop_engine(llm)
         del llm
     with MooncakeMaster() as master:
         llm = _engine(dsv32_model, master, tp=2)
@@ -177,7 +115,7 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         before = _gets(_metrics(master))
         hit = _generate(llm)
         gets = _gets(_metrics(master)) - before
-        _stop(llm)
+        e2e.stop_engine(llm)
         del llm
     yield Runs(tp1=tp1, tp2=tp2, tp2_cold=cold, tp2_hit=hit, tp2_hit_gets=gets,
                hit_blocks=hit_blocks)
@@ -192,7 +130,7 @@ def test_tp2_stores_the_replicated_kv_once(runs: Runs) -> None:
 
 
 def test_tp2_store_hit_loads_on_every_rank(runs: Runs) -> None:
-    assert _distance(runs.tp2_hit, runs.tp2_cold) <= LOGPROB_TOLERANCE
+    assert e2e.logprob_distance(runs.tp2_hit, runs.tp2_cold) <= LOGPROB_TOLERANCE
     # The hit reads each block's keys (2 layers x main KV and indexer) once on each rank.
     assert runs.hit_blocks > 0
     assert runs.tp2_hit_gets == 2 * runs.hit_blocks * NUM_LAYERS * 2

@@ -1,0 +1,194 @@
+"""Set-up shared by the e2e tests that run real vLLM engines in the test process.
+
+What every such test file does the same way: the engines' environment, the tiny models' build,
+an engine's common settings, greedy answers with their logprobs, shutdown, comparing answers,
+the layerwise connector's transfer config and Mooncake master, the skip for tests that start
+Mooncake, and module-scoped fixtures made of these. Each file keeps its own model sizes,
+prompts, engine limits and assertions. The files ``import _engines as e2e`` (pytest puts this
+directory on ``sys.path``, as for ``_control_harness`` in kvo-transport's tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+Answers = list[tuple[list[int], list[float]]]
+"""Per prompt: the greedy tokens and each token's logprob."""
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Engines in this process (their counters and modules visible to the test), offline, on
+loopback, with a small CPU KV cache. The nox session sets the last three itself."""
+
+TP2_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+"""One core for each of the two TP workers of a TP 2 engine."""
+
+NEEDS_NETNS = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
+           "network namespace (unshare -n sh -c 'ip link set lo up; KVO_IN_NETNS=1 ...'; "
+           "nox -s e2e does this)")
+"""``pytestmark`` of a file whose tests start Mooncake."""
+
+
+@contextlib.contextmanager
+def engine_environment(extra: Mapping[str, str] | None = None, *,
+                       clear_sparse_config: bool = True) -> Iterator[None]:
+    """Within: ``IN_PROCESS`` and ``extra``, each unless already set (by nox or by hand), and
+    no ``KVO_SPARSE_CONFIG`` (the engines' own ``additional_config`` decides) unless told to
+    keep it. Afterwards the variables this set are as before."""
+    wanted = {**IN_PROCESS, **(extra or {})}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    if clear_sparse_config:
+        os.environ.pop("KVO_SPARSE_CONFIG", None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def tiny_dsv32(tmp_path_factory: pytest.TempPathFactory, name: str, *, num_layers: int,
+               index_topk: int, mtp: bool = False) -> Path:
+    """A tiny random DeepSeek-V3.2-architecture model in a new temporary directory ``name``."""
+    from models.tiny_dsv32 import build_tiny_dsv32
+
+    return build_tiny_dsv32(tmp_path_factory.mktemp(name), num_layers=num_layers,
+                            index_topk=index_topk, mtp=mtp)
+
+
+def engine_env_fixture(extra: Mapping[str, str] | None = None, *,
+                       clear_sparse_config: bool = True) -> Any:
+    """A module-scoped ``engine_env`` fixture: ``engine_environment`` around a test module
+    (``engine_env = e2e.engine_env_fixture(...)`` in the module)."""
+
+    @pytest.fixture(scope="module", name="engine_env")
+    def engine_env() -> Iterator[None]:
+        with engine_environment(extra, clear_sparse_config=clear_sparse_config):
+            yield
+
+    return engine_env
+
+
+def dsv32_model_fixture(name: str, *, num_layers: int, index_topk: int) -> Any:
+    """A module-scoped ``dsv32_model`` fixture: one ``tiny_dsv32`` for a test module."""
+
+    @pytest.fixture(scope="module", name="dsv32_model")
+    def dsv32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tiny_dsv32(tmp_path_factory, name, num_layers=num_layers, index_topk=index_topk)
+
+    return dsv32_model
+
+
+def start_engine(model: Path, *, tp: int = 1, **settings: Any) -> Any:
+    """A vLLM engine for a tiny test model: float32, eager, seed 0, vLLM's ``uni`` executor
+    (TP > 1: its ``mp`` executor, one worker process per rank); ``settings`` add to or
+    override these."""
+    from vllm import LLM
+
+    common: dict[str, Any] = dict(
+        model=str(model), dtype="float32", enforce_eager=True,
+        distributed_executor_backend="mp" if tp > 1 else "uni", seed=0)
+    if tp != 1:
+        common["tensor_parallel_size"] = tp
+    return LLM(**{**common, **settings})
+
+
+def greedy_answers(llm: Any, prompts: list[str], max_tokens: int | list[int]) -> Answers:
+    """Greedy tokens (``ignore_eos``) and their logprobs, per prompt; ``max_tokens`` is one
+    length for every prompt or one per prompt."""
+    from vllm import SamplingParams
+
+    def params(tokens: int) -> Any:
+        return SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    sampling = params(max_tokens) if isinstance(max_tokens, int) else [
+        params(n) for n in max_tokens]
+    answers = []
+    for output in llm.generate(prompts, sampling, use_tqdm=False):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        answers.append((tokens, [step[token].logprob for step, token in
+                                 zip(completion.logprobs, tokens, strict=True)]))
+    return answers
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut the engine's core down and collect it now, before the next engine starts."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def logprob_distance(answers: Answers, want: Answers) -> float:
+    """Infinite when any token differs, else the largest logprob difference."""
+    worst = 0.0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, want, strict=True):
+        if tokens != want_tokens:
+            return float("inf")
+        worst = max([worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs,
+                                                        strict=True))])
+    return worst
+
+
+def layerwise_transfer(master_address: str, *, shared_buffers: int, **settings: Any) -> Any:
+    """vLLM's transfer config for kvo's ``LayerwiseStoreConnector`` on a Mooncake master: layer
+    0 in its own buffer, the others round robin in ``shared_buffers``, one layer prefetched;
+    ``settings`` are more ``KVTransferConfig`` fields."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LayerwiseStoreConnector", kv_connector_module_path="kvo_vllm.connectors",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store_master_address": master_address,
+                                   "shared_buffers": shared_buffers,
+                                   "independent_layers": [0], "prefetch_depth": 1},
+        **settings)
+
+
+def layerwise_worker_connector() -> Any:
+    """The worker side's ``LayerwiseStoreConnector`` of the engine running in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvo_vllm.layerwise import LayerwiseStoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, LayerwiseStoreConnector)
+    return connector
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler side's connector of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def mooncake_master_fixture() -> Any:
+    """A module-scoped ``master`` fixture: one real Mooncake master for a test module."""
+
+    @pytest.fixture(scope="module", name="master")
+    def master() -> Iterator[Any]:
+        from kvo_transport.mooncake_master import MooncakeMaster
+
+        with MooncakeMaster() as running:
+            yield running
+
+    return master
+
+
+@attrs.frozen
+class KvoEngine:
+    """A module's engine with kvo's connector, and its first answers (with an empty store and
+    an empty prefix cache)."""
+
+    llm: Any
+    cold: Answers
