@@ -170,6 +170,7 @@ def test_corrupted_selected_missing_row_changes_every_rank(runs: Runs) -> None:
 
 def test_rank_that_cannot_attach_fails_the_engine_at_start(
         engine_env: None, dsv32_model: Path) -> None:
+    gc.collect()  # pools of engines that earlier tests in this process left to the collector
     before = _pool_files()
     with pytest.MonkeyPatch.context() as mp:
         _probe_site(mp, KVO_TP_PROBE_FAIL_ATTACH="1")
