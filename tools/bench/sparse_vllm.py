@@ -30,7 +30,8 @@ outputs are then compared by tokens only (the fused op sums attention in another
 
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
-  [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--json PATH]
+  [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--tp 1|2]
+  [--dtype float32|bfloat16] [--json PATH]
   default: contexts 128, 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096,
   16384 and 32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes
   minutes).
@@ -73,6 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="residency_backend of the offload engine (default native)")
     parser.add_argument("--indexer-dtype", default="bfloat16", choices=("bfloat16", "int8"),
                         help="indexer_kv_dtype of both engines (int8: the C8 indexer cache)")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2),
+                        help="tensor parallel size of both engines (2: vLLM's mp executor, "
+                             "VLLM_CPU_OMP_THREADS_BIND='0|1' unless set; one host pool per "
+                             "DP rank shared by its TP ranks)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="model and main-KV dtype of both engines (default float32)")
     parser.add_argument("--reps", type=int, default=1,
                         help="processes per case, alternating which engine goes first")
     args = parser.parse_args(argv)
@@ -107,7 +114,8 @@ def _model_dir(max_len: int) -> Path:
 
 
 def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto",
-            residency_backend: str = "torch", indexer_dtype: str = "bfloat16") -> Any:
+            residency_backend: str = "torch", indexer_dtype: str = "bfloat16", tp: int = 1,
+            dtype: str = "float32") -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
     resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
@@ -116,8 +124,9 @@ def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: st
     sparse: dict[str, Any] = {"mode": mode, "indexer_kv_dtype": indexer_dtype}
     if mode == "offload":
         sparse.update(kernel_backend=kernel_backend, residency_backend=residency_backend)
-    return LLM(model=str(model), dtype="float32", enforce_eager=True,
-               distributed_executor_backend="uni", max_model_len=max_len, max_num_seqs=batch,
+    return LLM(model=str(model), dtype=dtype, enforce_eager=True, tensor_parallel_size=tp,
+               distributed_executor_backend="mp" if tp > 1 else "uni",
+               max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, seed=0,
                num_gpu_blocks_override=blocks, additional_config={"kvo_sparse": sparse})
 
@@ -251,10 +260,35 @@ def _record_fused_trace(trace: list[list[int]]) -> None:
     ops.lightning_indexer_manage = recording  # type: ignore[assignment]
 
 
+def _pool_files() -> dict[Path, int]:
+    """kvo's DSA host pools in /dev/shm and their sizes."""
+    return {path: path.stat().st_size for path in Path("/dev/shm").glob("kvo-hostpool-dsa-*")}
+
+
+def _tp1_pool_bytes(model: Path, blocks: int, dtype: str) -> int:
+    """The host pool a TP 1 offload engine makes for ``blocks`` blocks (its own sizing)."""
+    import torch
+
+    from kvo_vllm.sparse.host_store import pool_bytes_for
+    from kvo_vllm.sparse.layout import SparseModelLayout
+
+    config = json.loads((model / "config.json").read_text())
+    layout = SparseModelLayout(
+        num_layers=NUM_LAYERS, latent_dim=config["kv_lora_rank"],
+        rope_dim=config["qk_rope_head_dim"], index_dim=config["index_head_dim"],
+        softmax_scale=1.0, kv_dtype=getattr(torch, dtype))
+    return pool_bytes_for(blocks * 64, layout, 64)
+
+
 def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
              kernel_backend: str = "auto", residency_backend: str = "torch",
-             offload_first: bool = False, indexer_dtype: str = "bfloat16") -> dict[str, Any]:
-    """Both engines of one case in this (fresh) process, decode steps interleaved (``--pair``)."""
+             offload_first: bool = False, indexer_dtype: str = "bfloat16", tp: int = 1,
+             dtype: str = "float32") -> dict[str, Any]:
+    """Both engines of one case in this (fresh) process, decode steps interleaved (``--pair``).
+
+    At TP > 1 the engines' workers are other processes: the offload path's counters (hit
+    rate, copies, the top-k trace) and the device bytes are not read (``None``); the host pool
+    is measured from /dev/shm (files and bytes per DP rank)."""
     from kvo_vllm.dsa import offload_manager
     from kvo_vllm.dsa.offload_main_kv import offload_workers
 
@@ -274,15 +308,25 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     if kernel_backend == "fused":
         _record_fused_trace(trace)
     modes = ("offload", "resident") if offload_first else ("resident", "offload")
+    pools_before = _pool_files()
     engines = {mode: _engine(model, mode, max_len, batch, kernel_backend, residency_backend,
-                             indexer_dtype) for mode in modes}
+                             indexer_dtype, tp, dtype) for mode in modes}
+    pools = {p: n for p, n in _pool_files().items() if p not in pools_before}
     times, ratios, outputs = _PairedSteps(engines).run(prompts, decode_tokens)
-    row: dict[str, Any] = {"ratios": ratios}
+    blocks = batch * -(-max_len // 64) + 1
+    row: dict[str, Any] = {"ratios": ratios, "tp": tp, "dtype": dtype,
+                           "host_pools": len(pools),   # one per DP rank (one DP rank here)
+                           "pool_mib_per_dp_rank": sum(pools.values()) / 2**20,
+                           "tp1_pool_mib": _tp1_pool_bytes(model, blocks, dtype) / 2**20}
     for mode, llm in engines.items():
-        per_token = _device_bytes_per_token(llm)
         step = statistics.median(times[mode])
         row[f"{mode}_answers"] = _answers(outputs[mode])
         row[f"{mode}_step_ms"] = step * 1e3
+        if tp > 1:
+            for key in ("device_kv_mib", "main_kv_mib"):
+                row[f"{mode}_{key}"] = None
+            continue
+        per_token = _device_bytes_per_token(llm)
         tokens = batch * (context + decode_tokens)
         device = tokens * (per_token["main"] + per_token["indexer"])
         main_kv = tokens * per_token["main"]   # offload: vLLM's placeholder (+ hot buffers)
@@ -311,6 +355,9 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             row["lru_misses"], row["belady_misses"] = replay["lru"], replay["belady"]
         row[f"{mode}_device_kv_mib"] = device / 2**20
         row[f"{mode}_main_kv_mib"] = main_kv / 2**20
+    if tp > 1:
+        row.update(hit_rate=None, not_offloaded=None, h2d_mib_per_step=None,
+                   full_reload_mib_per_step=None, lru_misses=None, belady_misses=None)
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     return row
@@ -318,7 +365,8 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
 
 def run_case(model: Path, context: int, batch: int, decode_tokens: int,
              reps: int = 1, kernel_backend: str = "auto",
-             residency_backend: str = "torch", indexer_dtype: str = "bfloat16") -> dict[str, Any]:
+             residency_backend: str = "torch", indexer_dtype: str = "bfloat16", tp: int = 1,
+             dtype: str = "float32") -> dict[str, Any]:
     """``reps`` fresh processes (vLLM-CPU binds its threads once per process), each running
     both engines with interleaved decode steps; which engine is built and stepped first
     alternates between repetitions. Step times: medians over every repetition's steps;
@@ -333,7 +381,8 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, __file__, "--pair", str(context), str(batch),
                             str(decode_tokens), str(model), out.name, kernel_backend,
-                            residency_backend, str(rep % 2), indexer_dtype], check=True)
+                            residency_backend, str(rep % 2), indexer_dtype, str(tp), dtype],
+                           check=True)
             result = json.loads(Path(out.name).read_text())
         ratios += result.pop("ratios")
         for mode in steps:
@@ -345,8 +394,11 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         row[f"{mode}_tokens_per_s"] = batch / (row[f"{mode}_step_ms"] / 1e3)
     row["step_ratio"] = statistics.median(ratios)
     row["step_pairs"] = len(ratios)
-    row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
-    row["main_kv_ratio"] = row["offload_main_kv_mib"] / row["resident_main_kv_mib"]
+    if tp == 1:
+        row["device_kv_ratio"] = row["offload_device_kv_mib"] / row["resident_device_kv_mib"]
+        row["main_kv_ratio"] = row["offload_main_kv_mib"] / row["resident_main_kv_mib"]
+    else:
+        row["device_kv_ratio"] = row["main_kv_ratio"] = None
     if kernel_backend == "fused":   # another summation order: tokens only
         row["identical"] = [t for t, _ in answers["offload"]] == [
             t for t, _ in answers["resident"]]
@@ -367,6 +419,9 @@ COLUMNS = [("context", "ctx", "{:d}"), ("batch", "B", "{:d}"),
            ("h2d_mib_per_step", "H2D MiB/st", "{:.3f}"),
            ("full_reload_mib_per_step", "reload MiB/st", "{:.2f}"),
            ("lru_misses", "LRU miss", "{:d}"), ("belady_misses", "Belady", "{:d}"),
+           ("tp", "TP", "{:d}"), ("host_pools", "pools", "{:d}"),
+           ("pool_mib_per_dp_rank", "pool MiB/DP", "{:.2f}"),
+           ("tp1_pool_mib", "TP1 pool MiB", "{:.2f}"),
            ("identical", "same out", "{}")]
 
 
@@ -374,11 +429,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     header = " | ".join(title for _, title, _ in COLUMNS)
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(" | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS))
+        lines.append(" | ".join("n/a" if row.get(key) is None else fmt.format(row[key])
+                                for key, _, fmt in COLUMNS))
     return "\n".join(lines)
 
 
-def _environment() -> None:
+def _environment(tp: int = 1) -> None:
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
                         ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_CPU_KVCACHE_SPACE", "2"),
                         ("KVO_OFFLOAD_HISTORY", "100000000")):  # every layer call is read
@@ -389,14 +447,16 @@ def _environment() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--pair"]:   # a child: both engines of one case, JSON to the given file
-        context, batch, decode, model, out, kernel_backend, residency, first, index = argv[1:10]
-        _environment()
+        (context, batch, decode, model, out, kernel_backend, residency, first, index, tp,
+         dtype) = argv[1:12]
+        _environment(int(tp))
         result = run_pair(Path(model), int(context), int(batch), int(decode), kernel_backend,
-                          residency, offload_first=first == "1", indexer_dtype=index)
+                          residency, offload_first=first == "1", indexer_dtype=index,
+                          tp=int(tp), dtype=dtype)
         Path(out).write_text(json.dumps(result))
         return 0
     args = parse_args(argv)
-    _environment()
+    _environment(args.tp)
     model = _model_dir(max(c + request_tokens(c, b, args.decode_tokens) + 16
                            for c in args.contexts for b in args.batches))
     rows = []
@@ -404,13 +464,17 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             rows.append(run_case(model, context, batch, args.decode_tokens, args.reps,
                                  args.kernel_backend, args.residency_backend,
-                                 args.indexer_dtype))
+                                 args.indexer_dtype, args.tp, args.dtype))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"sparse MLA in vLLM-CPU: offload (kernel_backend {args.kernel_backend}) vs resident "
           f"({NUM_LAYERS} layers, top-k {INDEX_TOPK}, hot capacity {2 * INDEX_TOPK}, "
-          f"{args.decode_tokens} tokens/request, indexer {args.indexer_dtype}; KV ratio: "
-          f"device KV offload / resident, indexer included; main ratio: main KV only)")
+          f"{args.decode_tokens} tokens/request, indexer {args.indexer_dtype}, TP {args.tp}, "
+          f"{args.dtype}; KV ratio: device KV offload / resident, indexer included; main "
+          f"ratio: main KV only; pools / pool MiB/DP: host pool files and bytes of the "
+          f"offload engine's DP rank, measured in /dev/shm; TP1 pool MiB: what a TP 1 engine "
+          f"sizes for the same blocks; n/a: not read at TP > 1, the workers are other "
+          f"processes)")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "sparse_vllm", "rows": rows}, indent=2))

@@ -260,7 +260,8 @@ def open_shared_store(group: TPGroup, create: Callable[[str], HostKVStore],
                 f"usable on every rank, so no rank serves from it: {told}") from failure
         if rank == 0:
             # Every reader opened its read end before the sum above: these opens succeed.
-            fds = [os.open(path, os.O_WRONLY) for path in fifos]
+            for path in fifos:
+                fds.append(os.open(path, os.O_WRONLY))
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -8,7 +8,9 @@ keys are private to the request and removed when it finishes.
 
 The scheduler names blocks without knowing which worker will move them (``block_name``); each
 worker turns a name into its keys by adding its tensor-parallel rank, the layer index and the
-cache part (``kv`` for the main KV, ``idx`` for a DSA layer's indexer keys). Every
+cache part (``kv`` for the main KV, ``idx`` for a DSA layer's indexer keys). An MLA model's KV
+is the same on every TP rank: there every rank uses rank 0's keys, and only rank 0 saves
+(``connector.kv_replicated_across_tp``). Every
 key starts with a namespace derived from what makes KV bytes interchangeable (model, dtype,
 block geometry, parallel layout), so engines with different models or layouts can share one
 store without ever reading each other's blocks.

@@ -13,7 +13,8 @@ layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a deco
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
 (``pool_destination``). DSA layouts run with prefill TP 1 or 2 and decode TP 1 and without
 speculative decoding (decode TP > 1 and speculative decoding are refused at start-up until
-shown to work).
+shown to work); a decode with vLLM data parallelism is refused too (the proxy does not yet
+learn which DP rank took a request).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -108,6 +109,19 @@ def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: obje
             f"hand-off is not tested; run P/D without speculative_config")
 
 
+def refuse_untested_decode_dp(data_parallel_size: int) -> None:
+    """ConfigError for a decode (kv_consumer) with vLLM data parallelism: behind one API server
+    URL vLLM picks the DP rank that takes a request, while the proxy keeps one set of control
+    endpoints per decode URL and may hand the prefill another DP rank's (not tested here;
+    sparse offload at decode DP 2 without P/D is, ``tests/e2e/test_dsa_offload_dp2.py``)."""
+    if data_parallel_size > 1:
+        raise ConfigError(
+            f"RemoteD2HConnector does not serve a P/D decode with data_parallel_size="
+            f"{data_parallel_size} yet: the proxy does not yet learn which DP rank took a "
+            f"request (it keeps one set of control endpoints per decode URL); run each decode "
+            f"DP rank as its own server (data_parallel_size 1) behind the proxy")
+
+
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
     """vLLM KV connector for the decode-first P/D flow (see the module docstring)."""
 
@@ -126,6 +140,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self.options = RemoteD2HOptions.from_extra_config(transfer.kv_connector_extra_config)
         self.is_producer = transfer.is_kv_producer
         self.is_consumer = transfer.is_kv_consumer
+        if self.is_consumer:
+            refuse_untested_decode_dp(int(vllm_config.parallel_config.data_parallel_size))
         self._slot_key_of = slot_key_of
         self._scheduler: RemoteD2HScheduler | None = None
         self.sender: PrefillSender | None = None

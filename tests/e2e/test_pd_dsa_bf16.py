@@ -1,0 +1,112 @@
+"""End to end: P/D of the DSA model in bfloat16 (DeepSeek-V3.2's main-KV dtype), the decode
+receiving the main KV into its bf16 host pool.
+
+Real vLLM API servers (``--dtype bfloat16``) and the kvo proxy: a TP 1 prefill (kvo's sparse
+backend, resident mode) with ``RemoteD2HConnector`` alone, and a decode in kvo's offload mode
+with ``RemoteD2HConnector``. Reference: the decode answering the prompt itself; both engines
+step through prompts in chunks of one block and requests go one at a time, so the P/D answer
+must equal it exactly (tokens and logprobs). The bytes pulled are exact: every full prompt
+block of every layer, main-KV rows of (512 + 64) bf16 values, indexer rows of 128 bf16 keys.
+
+Mooncake's transfer engine listens on every interface, so this runs in a loopback-only network
+namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVO_IN_NETNS") != "1",
+    reason="starts Mooncake's transfer engine, which listens on every interface: run inside a "
+           "loopback-only network namespace (unshare -n sh -c 'ip link set lo up; "
+           "KVO_IN_NETNS=1 ...'; nox -s e2e does this)")
+
+NUM_LAYERS = 2
+INDEX_TOPK = 32
+BLOCK_SIZE = 64
+MAX_TOKENS = 5
+DEADLINE_S = 30.0
+ROW_BYTES = (512 + 64) * 2  # MLA latent + rope, bfloat16
+INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+BF16 = ["--dtype", "bfloat16"]   # after the cluster's own --dtype: the last one wins
+
+
+@attrs.frozen
+class Deployment:
+    decode: str
+    proxy: str
+    workdir: Path
+
+    @property
+    def decode_stats_file(self) -> Path:
+        return self.workdir / "decode-stats.json"
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from models.tiny_dsv32 import build_tiny_dsv32
+    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
+
+    workdir = tmp_path_factory.mktemp("pd-dsa-bf16")
+    model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "2"]
+    with Cluster(workdir / "logs") as cluster:
+        kv_port = free_port()
+        decode = cluster.start_vllm(
+            "decode", model, free_port(), decode_transfer_config(
+                kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
+                read_retries=0),
+            extra_args=[*steps, *BF16, "--additional-config",
+                        json.dumps({"kvo_sparse": {"mode": "offload"}})],
+            max_model_len=1024, block_size=BLOCK_SIZE)
+        prefill = cluster.start_vllm(
+            "prefill", model, free_port(), {
+                "kv_connector": "RemoteD2HConnector",
+                "kv_connector_module_path": "kvo_vllm.remote_d2h",
+                "kv_role": "kv_producer", "kv_connector_extra_config": {
+                    "kv_port": kv_port, "layer_deadline_s": DEADLINE_S,
+                    "handshake_timeout_s": DEADLINE_S}},
+            extra_args=[*steps, *BF16], max_model_len=1024, block_size=BLOCK_SIZE)
+        proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
+        wait_healthy([decode, prefill, proxy], 900)
+        yield Deployment(decode=decode.url or "", proxy=proxy.url or "", workdir=workdir)
+
+
+def _complete(url: str, prompt: str) -> Any:
+    from pd.client import complete, completion_body
+
+    return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
+                    timeout_s=300)
+
+
+def test_bf16_pd_equals_the_decodes_own_answer(deployment: Deployment) -> None:
+    from pd.prompts import tagged_prompt
+    from pd.stats import decode_stats, settled_decode_stats
+
+    before = decode_stats(deployment.decode_stats_file)
+    cases = [("alpha", 200), ("bravo", 140)]
+    for tag, length in cases:
+        prompt = tagged_prompt(tag, length)
+        want = _complete(deployment.decode, prompt)
+        assert want.ok, (tag, want.error)
+        got = _complete(deployment.proxy, prompt)
+        assert got.ok, (tag, got.error)
+        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), tag
+    received = before.get("received", 0)
+    after = settled_decode_stats(deployment.decode_stats_file,
+                                 received + before.get("failed", 0) + len(cases))
+    assert after["received"] - received == len(cases)
+    assert after.get("failed", 0) == before.get("failed", 0)
+    blocks = sum((length - 1) // BLOCK_SIZE for _, length in cases) * NUM_LAYERS
+    grew = {part: after["per_part"][part]["bytes"]
+            - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
+    assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES,
+                    "idx": blocks * BLOCK_SIZE * INDEXER_ROW_BYTES}
