@@ -356,7 +356,9 @@ def test_the_pd_recipe_configs_are_the_ones_the_e2e_tests_run() -> None:
 def test_the_layerwise_recipe_config_is_the_one_the_e2e_test_runs() -> None:
     (command,) = [c for c in vllm_commands() if c.section.startswith("Recipe 1")]
     ours = _transfer(command)
-    source = (ROOT / "tests" / "e2e" / "test_layerwise.py").read_text()
+    # test_layerwise.py builds its transfer config with the shared e2e helper (_engines.py)
+    source = "".join((ROOT / "tests" / "e2e" / name).read_text()
+                     for name in ("test_layerwise.py", "_engines.py"))
     assert f'kv_connector="{ours.kv_connector}"' in source
     assert f'kv_connector_module_path="{ours.kv_connector_module_path}"' in source
     for key in ours.kv_connector_extra_config:
