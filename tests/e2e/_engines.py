@@ -192,3 +192,20 @@ class KvoEngine:
 
     llm: Any
     cold: Answers
+
+
+DSA_POOL_PREFIX = "kvo-hostpool-dsa-"
+"""The /dev/shm name prefix of the DSA offload backend's host pools."""
+
+
+def dsa_pool_files() -> set[Path]:
+    """The DSA offload host pools in /dev/shm now."""
+    return set(Path("/dev/shm").glob(f"{DSA_POOL_PREFIX}*"))
+
+
+def lock_holders(path: Path) -> set[int]:
+    """PIDs holding a flock on ``path`` (every process using a pool holds a shared one)."""
+    stat = path.stat()
+    inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    return {int(f[4]) for f in map(str.split, Path("/proc/locks").read_text().splitlines())
+            if len(f) > 5 and f[5] == inode}

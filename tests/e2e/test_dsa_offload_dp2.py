@@ -13,12 +13,12 @@ tests/e2e/test_dsa_offload_dp2.py`` (``nox -s e2e`` sets these).
 from __future__ import annotations
 
 import json
-import os
 import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import _engines as e2e
 import attrs
 import pytest
 
@@ -31,18 +31,8 @@ MAX_TOKENS = 5
 PROMPTS = [f"Request {i}: sparse attention reads only the rows the indexer selects. " * 2
            for i in range(6)]
 OFFLOAD = {"kvo_sparse": {"mode": "offload"}}
-POOL_PREFIX = "kvo-hostpool-dsa-"
 
 
-def _pool_files() -> set[Path]:
-    return set(Path("/dev/shm").glob(f"{POOL_PREFIX}*"))
-
-
-def _lock_holders(path: Path) -> set[int]:
-    stat = path.stat()
-    inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    return {int(f[4]) for f in map(str.split, Path("/proc/locks").read_text().splitlines())
-            if len(f) > 5 and f[5] == inode}
 
 
 @attrs.frozen
@@ -89,14 +79,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     args = ["--max-num-batched-tokens", str(STEP_TOKENS), "--max-num-seqs", "2",
             "--additional-config", json.dumps(OFFLOAD)]
     with Cluster(workdir / "logs") as cluster:
-        before = _pool_files()
+        before = e2e.dsa_pool_files()
         dp2 = cluster.start_vllm(
             "dp2", model, free_port(), None, extra_args=["--data-parallel-size", "2", *args],
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
             max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
         wait_healthy([dp2], 900)
-        pools = _pool_files() - before
-        holders = [_lock_holders(p) for p in sorted(pools)]
+        pools = e2e.dsa_pool_files() - before
+        holders = [e2e.lock_holders(p) for p in sorted(pools)]
         answers = _ask(dp2.url or "")
         per_engine = _served_by_engine(dp2.url or "")
         # The DP 1 reference: one thread, like each DP rank above (vLLM-CPU gives each local

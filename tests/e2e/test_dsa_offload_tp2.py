@@ -48,7 +48,6 @@ MAX_TOKENS = [10, 8]
 PROBE_PROMPT = "A pool row that is selected and not resident must be read from the pool. " * 2
 PROBE_TOKENS = 6
 PROBE_STEP = 3   # the decode step (1 = first decode) before which rank 0 overwrites rows
-POOL_PREFIX = "kvo-hostpool-dsa-"
 PROBE_SITE = Path(__file__).resolve().parent / "tp_probe_site"
 
 
@@ -63,16 +62,6 @@ def _engine(model: Path, mode: str, tp: int = 2) -> Any:
                             additional_config={"kvo_sparse": {"mode": mode}})
 
 
-def _pool_files() -> set[Path]:
-    return set(Path("/dev/shm").glob(f"{POOL_PREFIX}*"))
-
-
-def _lock_holders(path: Path) -> set[int]:
-    """PIDs holding a flock on ``path`` (every process using a pool holds a shared one)."""
-    stat = path.stat()
-    inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    return {int(f[4]) for f in map(str.split, Path("/proc/locks").read_text().splitlines())
-            if len(f) > 5 and f[5] == inode}
 
 
 def _probe_site(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
@@ -123,10 +112,10 @@ def runs(engine_env: None, dsv32_model: Path, tmp_path_factory: pytest.TempPathF
     switch = records / "switch"
     with pytest.MonkeyPatch.context() as mp:
         _probe_site(mp, KVO_TP_PROBE_DIR=str(records), KVO_TP_PROBE_STEP=str(PROBE_STEP))
-        before = _pool_files()
+        before = e2e.dsa_pool_files()
         llm = _engine(dsv32_model, "offload")
-        pools = _pool_files() - before   # opened at start-up, before any request
-        holders = _lock_holders(next(iter(pools))) if len(pools) == 1 else set()
+        pools = e2e.dsa_pool_files() - before   # opened at start-up, before any request
+        holders = e2e.lock_holders(next(iter(pools))) if len(pools) == 1 else set()
         offload = e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
         switch.write_text("base")
         base = e2e.greedy_answers(llm, [PROBE_PROMPT], [PROBE_TOKENS])[0]
@@ -171,7 +160,7 @@ def test_corrupted_selected_missing_row_changes_every_rank(runs: Runs) -> None:
 def test_rank_that_cannot_attach_fails_the_engine_at_start(
         engine_env: None, dsv32_model: Path) -> None:
     gc.collect()  # pools of engines that earlier tests in this process left to the collector
-    before = _pool_files()
+    before = e2e.dsa_pool_files()
     with pytest.MonkeyPatch.context() as mp:
         _probe_site(mp, KVO_TP_PROBE_FAIL_ATTACH="1")
         with pytest.raises(RuntimeError) as failed:   # vLLM: "Worker failed with error ..."
@@ -181,4 +170,4 @@ def test_rank_that_cannot_attach_fails_the_engine_at_start(
     assert "TP rank 0 of 2: the DP rank's shared host pool 'dsa-" in message
     assert ("TP rank 1 could not attach to it: injected: this rank cannot map the pool"
             in message)
-    assert _pool_files() == before   # rank 0 removed the pool it created
+    assert e2e.dsa_pool_files() == before   # rank 0 removed the pool it created
