@@ -170,4 +170,6 @@ def test_rank_that_cannot_attach_fails_the_engine_at_start(
     assert "TP rank 0 of 2: the DP rank's shared host pool 'dsa-" in message
     assert ("TP rank 1 could not attach to it: injected: this rank cannot map the pool"
             in message)
-    assert e2e.dsa_pool_files() == before   # rank 0 removed the pool it created
+    # rank 0 removed the pool it created (pools of engines that earlier tests stopped may
+    # vanish meanwhile: only what is new counts)
+    assert not e2e.dsa_pool_files() - before
