@@ -71,6 +71,8 @@ def test_stopping_releases_the_lock() -> None:
         ({**URLS, "meta_service_url": "127.0.0.1:5"}, "must be tcp://host:port"),
         ({**URLS, "protocol": "tcp"}, "protocol='tcp'; allowed: host_rdma"),
         ({**URLS, "device_id": -2}, "device_id=-2 must be >= 0"),
+        ({**URLS, "call_timeout_s": -1}, r"call_timeout_s=-1 must be between 0 and 600 seconds"),
+        ({**URLS, "call_timeout_s": True}, r"call_timeout_s=True must be between 0 and 600"),
         ({**URLS, "size": 1}, r"unknown memcache store option\(s\) \['size'\]"),
     ],
 )

@@ -34,16 +34,33 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvo_core.errors import ConfigError
 from kvo_transport.errors import StoreError, StoreUnavailableError
 
 log = logging.getLogger("kvo.transport.store")
 
 _R = TypeVar("_R")
 
+DEFAULT_CALL_TIMEOUT_S = 0.75
+MAX_CALL_TIMEOUT_S = 600.0
 MIN_BOUNCE_BYTES = 1 << 20
 MAX_WORKERS = 64
 """Worker threads at most; abandoned calls hold theirs until they return (the circuit breaker
 stops new calls meanwhile)."""
+
+
+def check_call_timeout(backend: str, value: object) -> None:
+    """ConfigError unless ``value`` is a store option ``call_timeout_s`` that ``backend``'s
+    store accepts: seconds between 0 (unbounded) and MAX_CALL_TIMEOUT_S."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= MAX_CALL_TIMEOUT_S:
+        raise ConfigError(f"{backend} store option call_timeout_s={value!r} must be between 0 "
+                          f"and {MAX_CALL_TIMEOUT_S:g} seconds (0: unbounded calls)")
+
+
+def whole_value(code: int, length: int) -> bool:
+    """Mooncake's answer for a range that got the whole value: its byte count."""
+    return code == length
 
 
 @attrs.define(eq=False)
@@ -94,16 +111,18 @@ class BoundedCalls:
         return self._run(what, run, None)
 
     def get_into(self, what: str, run: Callable[[list[int]], list[int]],
-                 addrs: Sequence[int], lengths: Sequence[int]) -> list[int]:
-        """``run(destinations)`` returns one code per range (its byte count when it got the
-        whole value); the ranges whose code equals their length are copied to ``addrs``."""
+                 addrs: Sequence[int], lengths: Sequence[int],
+                 landed: Callable[[int, int], bool] = whole_value) -> list[int]:
+        """``run(destinations)`` returns one code per range; the ranges for which
+        ``landed(code, length)`` holds (the client says the value arrived whole) are copied to
+        ``addrs``."""
         if not self.bounded:
             return run(list(addrs))
         bounce = self._take(sum(lengths))
         places = _offsets(bounce.ptr, lengths)
         codes = self._run(what, lambda: run(places), bounce)
         for code, source, target, length in zip(codes, places, addrs, lengths, strict=True):
-            if code == length:
+            if landed(code, length):
                 ctypes.memmove(target, source, length)
         self._give_back(bounce)
         return codes

@@ -7,6 +7,13 @@ raises StoreError quoting the library's reason when it is missing.
 
 Memcache's put does not promise to replace an existing value, so put_from removes keys that
 exist before putting them (not atomic: a reader in between sees the key absent, never stale).
+
+Every data-path call (put, get, exists, remove) is bounded like Mooncake's (``call_timeout_s``,
+bounded_calls.py): it runs in a worker thread through bounce memory and fails with
+StoreUnavailableError, opening the circuit breaker, when the service does not answer in time; an
+abandoned call never touches the caller's ranges. Memcache has no health probe here, so the
+breaker half-opens on its own timer and the next call tries again. Not tested here with the
+real library (its data path needs the driver); the bound is tested against a stand-in client.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import attrs
 
 from kvo_core.errors import ConfigError
 from kvo_transport.ascend_log import explain, log_tap
+from kvo_transport.bounded_calls import DEFAULT_CALL_TIMEOUT_S, check_call_timeout
 from kvo_transport.buffer_store import BufferStore, guarded
 from kvo_transport.errors import StoreError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
@@ -214,6 +222,9 @@ class MemcacheStoreOptions:
     world_size: int = 256
     device_id: int = 0
     log_level: str = "warn"
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    """The longest a data-path call may take before it fails (StoreUnavailableError) and opens
+    the circuit breaker; 0: calls go to the client directly, unbounded (no bounce copy)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MemcacheStoreOptions:
@@ -240,6 +251,7 @@ class MemcacheStoreOptions:
             made.device_id < 0
         ):
             raise ConfigError(f"memcache store option device_id={made.device_id!r} must be >= 0")
+        check_call_timeout("memcache", made.call_timeout_s)
         return made
 
 
@@ -321,7 +333,8 @@ class MemcacheKVStore(BufferStore):
                 f"Memcache client init on device {self.options.device_id} (meta service "
                 f"{self.options.meta_service_url}) failed with return code {rc}: {reason}"
             )
-        self._start(client, f"of meta service {self.options.meta_service_url}")
+        self._start(client, f"of meta service {self.options.meta_service_url}",
+                    call_timeout_s=self.options.call_timeout_s)
 
     def _unregister_buffer(self, client: Any, region: MemoryRegion) -> int:
         return int(client.unregister_buffer(region.ptr, region.length))
@@ -337,7 +350,10 @@ class MemcacheKVStore(BufferStore):
         present = [k for k, here in zip(batch.keys, self.exists(batch.keys), strict=True) if here]
         if present:
             self.remove(present)
-        codes = store.batch_put_from(batch.keys, batch.addrs, batch.lengths)
+        keys, lengths = batch.keys, batch.lengths
+        codes = self._calls.put_from(
+            f"put of {len(keys)} keys",
+            lambda sources: store.batch_put_from(keys, sources, lengths), batch.addrs, lengths)
         failed = {k: c for k, c in zip(batch.keys, codes, strict=True) if c != 0}
         if failed:
             raise StoreError(f"Memcache put failed for keys (code per key): {failed}")
@@ -350,8 +366,12 @@ class MemcacheKVStore(BufferStore):
         batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=False)
         if not batch.keys:
             return []
-        codes = store.batch_get_into(batch.keys, batch.addrs, batch.lengths)
-        ok = [c == 0 or c == n for c, n in zip(codes, batch.lengths, strict=True)]
+        keys, lengths = batch.keys, batch.lengths
+        codes = self._calls.get_into(
+            f"get of {len(keys)} keys",
+            lambda destinations: store.batch_get_into(keys, destinations, lengths),
+            batch.addrs, lengths, landed=_got_value)
+        ok = [_got_value(c, n) for c, n in zip(codes, batch.lengths, strict=True)]
         missed = [k for k, good in zip(batch.keys, ok, strict=True) if not good]
         if missed:
             present = {k for k, here in zip(missed, self.exists(missed), strict=True) if here}
@@ -366,7 +386,8 @@ class MemcacheKVStore(BufferStore):
         checked = check_keys(keys)
         if not checked:
             return []
-        codes = store.batch_is_exist(checked)
+        codes = self._calls.call(f"exists() of {len(checked)} keys",
+                                 lambda: store.batch_is_exist(checked))
         failed = {k: c for k, c in zip(checked, codes, strict=True) if c not in (0, 1)}
         if failed:
             raise StoreError(f"Memcache exists() failed (code per key): {failed}")
@@ -378,7 +399,12 @@ class MemcacheKVStore(BufferStore):
         checked = check_keys(keys)
         if not checked:
             return
-        store.remove_batch(checked)
+        self._calls.call(f"remove of {len(checked)} keys", lambda: store.remove_batch(checked))
         still = [k for k, here in zip(checked, self.exists(checked), strict=True) if here]
         if still:
             raise StoreError(f"Memcache remove left keys in place: {still}")
+
+
+def _got_value(code: int, length: int) -> bool:
+    """Memcache's get answers 0 (or the byte count) for a range that got its value."""
+    return code == 0 or code == length

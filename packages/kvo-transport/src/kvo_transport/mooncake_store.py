@@ -29,6 +29,7 @@ import attrs
 
 from kvo_core.config import MIN_SEGMENT_BYTES, MOONCAKE_PROTOCOLS  # one owner: kvo-core's config
 from kvo_core.errors import ConfigError
+from kvo_transport.bounded_calls import DEFAULT_CALL_TIMEOUT_S, check_call_timeout
 from kvo_transport.buffer_store import BufferStore, guarded
 from kvo_transport.errors import StoreError, StoreUnavailableError, backend_unavailable
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
@@ -66,10 +67,6 @@ def import_mooncake_store_class() -> Any:
     except ImportError as exc:
         raise backend_unavailable("mooncake", "mooncake", exc) from exc
     return MooncakeDistributedStore
-
-
-DEFAULT_CALL_TIMEOUT_S = 0.75
-MAX_CALL_TIMEOUT_S = 600.0
 
 
 @attrs.frozen
@@ -126,11 +123,7 @@ class MooncakeStoreOptions:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
             raise ConfigError(f"mooncake store option health_probe_interval_s={interval!r} must "
                               f"be >= 0 seconds (0: no probe)")
-        bound = made.call_timeout_s
-        if isinstance(bound, bool) or not isinstance(bound, (int, float)) \
-                or not 0 <= bound <= MAX_CALL_TIMEOUT_S:
-            raise ConfigError(f"mooncake store option call_timeout_s={bound!r} must be between 0 "
-                              f"and {MAX_CALL_TIMEOUT_S:g} seconds (0: unbounded calls)")
+        check_call_timeout("mooncake", made.call_timeout_s)
         return made
 
 
