@@ -292,3 +292,57 @@ def test_the_host_key_names_boot_pid_and_network_namespace() -> None:
     assert len(boot) == 32 and int(boot, 16) >= 0
     assert int(pid_ns) == os.stat("/proc/self/ns/pid").st_ino
     assert int(net_ns) == os.stat("/proc/self/ns/net").st_ino  # netns-separated "hosts" differ
+
+
+FULL_SHM_SCRIPT = """
+import ctypes, json, os, sys
+from kvo_transport.engine import create_transfer_engine
+from kvo_transport.errors import TransferError
+from kvo_transport.samehost_engine import SameHostEngine
+engine = SameHostEngine(create_transfer_engine("mooncake"))
+memory = ctypes.create_string_buffer(1 << 16)
+free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+filler = os.open("/dev/shm/filler", os.O_CREAT | os.O_WRONLY, 0o600)
+os.posix_fallocate(filler, 0, free)
+report = {}
+try:
+    engine.register(ctypes.addressof(memory), 1 << 16)
+except TransferError as error:
+    report["error"] = str(error)
+report["files_when_full"] = sorted(os.listdir("/dev/shm"))
+registry = [f for f in report["files_when_full"] if f.startswith("kvo-samehost-")]
+report["listed_when_full"] = json.load(open("/dev/shm/" + registry[0]))
+os.close(filler)
+os.unlink("/dev/shm/filler")
+engine.register(ctypes.addressof(memory), 1 << 16)
+report["listed_after"] = json.load(open("/dev/shm/" + registry[0]))
+report["address"] = ctypes.addressof(memory)
+engine.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_full_dev_shm_fails_registration_with_an_error_naming_it_and_leaves_nothing_behind(
+        ) -> None:
+    """A real tmpfs of 64 KiB on /dev/shm (a private mount namespace), filled to the last
+    byte: registering memory fails with an error naming /dev/shm and its free bytes, the region
+    list peers read keeps its previous content, no half-written file stays, and registration
+    works once there is room again."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace with a small tmpfs on /dev/shm)")
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=64k kvo-test-shm /dev/shm && exec {sys.executable} -c "
+         f"'{FULL_SHM_SCRIPT}'"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "/dev/shm" in report["error"] and "No space left on device" in report["error"]
+    assert "0 bytes free in /dev/shm" in report["error"]
+    assert not [f for f in report["files_when_full"] if f.endswith(".tmp")]
+    assert report["listed_when_full"] == []  # the previous list (nothing registered yet)
+    assert report["listed_after"] == [[report["address"], 1 << 16]]

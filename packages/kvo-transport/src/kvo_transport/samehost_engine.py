@@ -169,6 +169,14 @@ def _remove_registries_of_dead_processes() -> None:
             pass  # alive, another user's
 
 
+def _free_bytes(directory: Path) -> int | str:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return stat.f_bavail * stat.f_frsize
+
+
 class _Registry:
     """This process's registered regions, published in a 0600 file for same-host peers."""
 
@@ -179,19 +187,43 @@ class _Registry:
         self._publish()
 
     def _publish(self) -> None:
+        """Replace the file with the regions now; when that fails (e.g. /dev/shm full), the
+        file keeps its previous list and the half-written copy is removed."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(sorted(self.regions.items()), out)
-        os.replace(tmp, self.path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(sorted(self.regions.items()), out)
+            os.replace(tmp, self.path)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise TransferError(
+                f"same-host engine: cannot write its region list {self.path} "
+                f"({error.strerror or error}; {_free_bytes(REGISTRY_DIR)} bytes free in "
+                f"{REGISTRY_DIR}): give {REGISTRY_DIR} room (Docker: --shm-size) or free some"
+            ) from error
 
     def add(self, ptr: int, length: int) -> None:
+        previous = self.regions.get(ptr)
         self.regions[ptr] = length
-        self._publish()
+        try:
+            self._publish()
+        except TransferError:
+            if previous is None:
+                del self.regions[ptr]
+            else:
+                self.regions[ptr] = previous
+            raise
 
     def remove(self, ptr: int) -> None:
-        self.regions.pop(ptr, None)
-        self._publish()
+        length = self.regions.pop(ptr, None)
+        try:
+            self._publish()
+        except TransferError:
+            # The file still lists the region: keep it registered, so both views agree.
+            if length is not None:
+                self.regions[ptr] = length
+            raise
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -269,7 +301,12 @@ class SameHostEngine(DelegatingEngine):
         with self._lock:
             self._engine.register(ptr, length)
             self._local.add(ptr, length)
-            self._registry.add(ptr, length)
+            try:
+                self._registry.add(ptr, length)
+            except TransferError:  # peers would not see it: register nothing
+                self._local.remove(ptr)
+                self._engine.unregister(ptr)
+                raise
 
     def unregister(self, ptr: int) -> None:
         self._check_open()
