@@ -448,7 +448,7 @@ class FakeDecode:
                 if self.answer_handshake:
                     self.socket.send_multipart([identity, encode(HandshakeAnswer(
                         version=PROTOCOL_VERSION, accepted=True, **self.limit))])
-            else:
+            elif isinstance(message, ReadReadyBatch):  # SEND_ABORTED is only recorded
                 for answer in self.policy(message):
                     self.socket.send_multipart([identity, encode(answer)])
 

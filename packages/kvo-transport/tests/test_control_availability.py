@@ -41,6 +41,7 @@ from kvo_transport.protocol import (
     MfMeta,
     ReadFailed,
     ReadReadyBatch,
+    SendAborted,
     encode,
 )
 
@@ -240,6 +241,39 @@ def test_a_session_the_decode_resets_fails_everything_in_flight_at_once_and_is_r
     gates.wait((3,), WAIT)
     assert time.monotonic() - started < HANDSHAKE_S
     assert publisher.renewed_sessions == 1 and len(fake.handshakes_from) == 2
+
+
+def test_requests_a_renewal_failed_are_given_up_on_the_decode_right_after_the_new_handshake(
+        engine, source, closing) -> None:
+    """A READY that misses its deadline ends the session; its requests, and those of every READY
+    failed with it, get no more layers from this prefill. The decode hears so (SEND_ABORTED) on
+    the new session as soon as its handshake is accepted, instead of waiting its own deadline
+    for layers that will not come (a decode that restarted showed that: 20 s in the soak)."""
+    answering = [False]
+    fake = closing(FakeDecode(lambda batch: [done(batch)] if answering[0] else []))
+    gates = SlotGates()
+    publisher = closing(make_publisher(engine, source, gates))
+    first = publisher.ready_request("r1", 0, (4, 5))
+    second = publisher.ready_request("r2", 2, (6,))
+    publisher.publish_layer(0, (1,), {fake.endpoint: [first]})
+    publisher.publish_layer(0, (2,), {fake.endpoint: [second]})
+    started = time.monotonic()
+    for key in ((1,), (2,)):
+        with pytest.raises(SlotFailedError):
+            gates.wait(key, WAIT)
+
+    while time.monotonic() - started < HANDSHAKE_S + 2.0 and not any(
+            isinstance(m, SendAborted) for m in fake.seen):
+        time.sleep(0.02)
+    aborts = [m for m in fake.seen if isinstance(m, SendAborted)]
+    assert len(aborts) == 1, fake.seen
+    assert aborts[0].request_ids == ("r1", "r2")
+    assert "control session ended (no answer to layer 0 seq" in aborts[0].reason
+    handshakes = [i for i, m in enumerate(fake.seen) if isinstance(m, MfMeta)]
+    assert len(handshakes) == 2 and fake.seen.index(aborts[0]) > handshakes[1]  # new session
+    answering[0] = True
+    publisher.publish_layer(0, (3,), {fake.endpoint: [first]})
+    gates.wait((3,), WAIT)  # the new session serves
 
 
 # -- 3. malformed READYs are answered ------------------------------------------------------------

@@ -135,6 +135,8 @@ class _Peer:
     """Why the session before this one was torn down; None for a first handshake."""
     renewal_waited: bool = False
     """A caller already waited its bounded time for this renewed handshake, in vain."""
+    pending_aborts: list[tuple[tuple[str, ...], str]] = attrs.Factory(list)
+    """SEND_ABORTEDs (request ids, reason) to send once this handshake is accepted."""
 
 
 class PrefillPublisher:
@@ -440,9 +442,11 @@ class PrefillPublisher:
         """Tell the decode rank at ``endpoint`` that these requests were given up, so it fails
         their pulls at once (SEND_ABORTED) rather than waiting for layers that will not come.
 
-        Best effort and never blocking: without an accepted session to ``endpoint`` (nothing was
-        published there, or it went away) nothing is sent and False is returned; the decode's
-        own deadline then still ends the pull. Answers to READYs already sent are unaffected.
+        Best effort and never blocking: while a handshake to ``endpoint`` is pending (a renewed
+        session) the frame waits for its acceptance; without a session (nothing was published
+        there, it went away, or the handshake was rejected) nothing is sent and False is
+        returned; the decode's own deadline then still ends the pull. Answers to READYs already
+        sent are unaffected.
         """
         ids = tuple(dict.fromkeys(request_ids))
         if not ids:
@@ -451,6 +455,9 @@ class PrefillPublisher:
             if self._closed:
                 return False
             peer = self._peers.get(endpoint)
+            if peer is not None and peer.answer is None:
+                peer.pending_aborts.append((ids, reason))
+                return True
             if peer is None or peer.answer is None or not peer.answer.accepted:
                 return False
         reason = clip_reason(reason)
@@ -681,9 +688,15 @@ class PrefillPublisher:
             self._io_sleep_until = now + timeout
             return timeout
 
-    def _renew(self, endpoint: str, number: int, why: str) -> None:
+    def _renew(self, endpoint: str, number: int, why: str,
+               failed: Iterable[PendingReady] = ()) -> None:
         """Tear down the session on connection ``number`` to ``endpoint`` and handshake again on
         a new connection, now; everything in flight there fails with ``why``.
+
+        The requests of those READYs and of ``failed`` (the READYs that ended the session) get
+        no more layers from this prefill: the decode is told so (SEND_ABORTED) on the new
+        session as soon as its handshake is accepted, so it fails their pulls at once rather
+        than waiting its own deadline for layers that will not come.
 
         Nothing happens when that connection is no longer the endpoint's (already renewed,
         dropped, or the publisher closed): a stale report never breaks a newer session.
@@ -699,6 +712,12 @@ class PrefillPublisher:
             self._new_connections.append(fresh.connection)
             self.renewed_sessions += 1
             lost = self._ledger.drop_endpoint(endpoint)
+            given_up = tuple(dict.fromkeys(
+                request_id for item in (*failed, *lost) for request_id in item.request_ids))
+            if given_up:
+                fresh.pending_aborts.append((given_up, clip_reason(
+                    f"prefill {self._label}'s control session ended ({why}); the request's "
+                    f"READYs in flight there failed")))
         log.warning("prefill %s: %s: %s; failing %d READY(s) in flight there, closing the "
                     "connection and handshaking again on a new one", self._label, endpoint, why,
                     len(lost))
@@ -720,11 +739,15 @@ class PrefillPublisher:
                 peer = self._peers.get(endpoint)
             if peer is None or peer.connection is not connection:
                 return  # the answer to a connection this publisher gave up
-            peer.answer = message
+            with self._lock:
+                peer.answer = message
+                aborts, peer.pending_aborts = peer.pending_aborts, []
             peer.answered.set()
             if message.accepted:
                 log.info("prefill %s: handshake accepted by %s (decode engine %s)", self._label,
                          endpoint, message.decode_session_id)
+                for ids, reason in aborts:
+                    self.abort(endpoint, ids, reason)
             else:
                 log.warning("prefill %s: handshake rejected by %s: %s", self._label, endpoint,
                             message.reason)
@@ -740,7 +763,8 @@ class PrefillPublisher:
                 self._finish(item, f"decode {endpoint} failed to read layer {item.layer_index} "
                                    f"({item.layer_name}): {message.reason}")
             self._renew(endpoint, connection.number,
-                        f"the decode reset the control session: {message.reason}")
+                        f"the decode reset the control session: {message.reason}",
+                        failed=() if item is None else (item,))
             return
         if item is None:
             log.warning("prefill %s: %s for layer %d seq %d from %s matches nothing in flight "
@@ -771,7 +795,8 @@ class PrefillPublisher:
         for item in late.values():  # that connection may be dead for good: start a new one
             self._renew(item.endpoint, item.connection,
                         f"no answer to layer {item.layer_index} seq {item.seq} within its "
-                        f"deadline")
+                        f"deadline",
+                        failed=[e for e in (*expired, *behind) if e.endpoint == item.endpoint])
         for item in expired:
             error = LayerDeadlineError(
                 f"no READ_DONE/READ_FAILED from {item.endpoint} for layer {item.layer_index} "
