@@ -18,7 +18,19 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
 - ``master_frozen``: the Mooncake master is stopped (SIGSTOP) before the request and continued
   (SIGCONT) after it: its connections are still accepted, nothing answers (bounded store calls);
 - ``decode_killed``: the decode vLLM is killed while the request runs, then restarted (at most
-  ``--max-decode-kills`` times: a restart takes a minute here).
+  ``--max-decode-kills`` times: a restart takes a minute here);
+- ``routing_id_takeover``: while the batch runs, a second ZMQ connection claims the routing id
+  of the prefill's live control connection on the decode's ROUTER again and again (read from
+  the decode's log; tools/pd/hostile.py); the decode must never answer it (``takeover`` in the
+  JSON counts tries and answers) and the prefill's own connection must keep working;
+- ``shm_nearly_full``: /dev/shm is filled up to ``--shm-remainder-kib`` KiB while the batch
+  runs, then emptied again. The soak runs in a mount namespace of its own with a small private
+  tmpfs (``--shm-mib``) on /dev/shm (tools/pd/private_shm.py), shared by all its engines as one
+  host's are: the machine's /dev/shm is never filled. Without root (no mount namespace) the
+  fault is left out and the JSON says why (``skipped_faults``).
+
+The decode TP rank kill of issue 36 needs a P/D decode with TP 2, which the soak's deployment
+does not run: not part of the draw.
 
 Requests go out in batches of ``--concurrency`` at once (each batch at most one fault, active for
 the whole batch): a fault must leave every other request in flight exact too. A faulted batch's
@@ -28,10 +40,21 @@ with the plain vLLM's answer to the same prompt (token ids): identical,
 failed cleanly (an error status), wrong (a different answer: must be 0) or hung (no answer
 within ``--timeout``: must be 0). A prefill or decode that dies without being killed by the soak
 is counted (``crashes``), its log tail kept in the JSON, and restarted so the soak goes on.
+After each faulted batch the soak measures how long the prefill-decode pair stayed unusable
+(``unusable_s``): the time from the fault's end (the moment the soak stops injecting it: fault
+file emptied, noise or takeover thread stopped, master restarted or continued, /dev/shm emptied;
+for ``decode_killed``, the restarted decode answering /health) until the end of the first
+probe request that the pair served: a request with a fresh prompt sent through the proxy whose
+KV the decode pulled from the prefill (its ``received`` counter went up; a request the decode
+recomputed does not count) and whose answer equals plain vLLM's. Probes go one at a time, back
+to back, so the time includes one probe's own latency. A pair still unusable after
+``--recovery-limit`` seconds counts as ``unrecovered`` (must be 0). The issue's target is one
+layer deadline (10 s here) plus one handshake.
 The JSON records each engine's resident memory and /dev/shm files at the soak's start and end
 (``footprint``: per process group, tools/pd/footprint.py). Prints the table and writes JSON. Not
 part of ``nox -s tests``: ``nox -s soak`` (``-- --requests 50`` for a shorter run). Exit 0 when
-wrong == hung == crashes == 0.
+wrong == hung == crashes == unrecovered == 0
+(probes included).
 """
 
 from __future__ import annotations
@@ -52,6 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 from pd.client import Answer, complete, completion_body
 from pd.cluster import (
     Cluster,
@@ -66,6 +90,9 @@ from pd.cluster import (
     wait_healthy,
 )
 from pd.footprint import footprint, shm_listing
+from pd.hostile import TakeoverCounts, keep_taking_over
+from pd.private_shm import filled, private, reexec_with_private_shm, why_no_private_shm
+from pd.stats import decode_stats
 
 NUM_LAYERS = 4
 MAX_TOKENS = 6
@@ -74,7 +101,10 @@ TEXT = ("A soak sends many requests while things break underneath; every answer 
         "plain answer or a clean failure. ")
 OUTCOMES = ("identical", "failed_cleanly", "wrong", "hung")
 FAULTS = ("failed_read", "slow_read", "lost_ack", "bad_frames", "bad_notify",
-          "master_killed", "master_frozen", "decode_killed")
+          "master_killed", "master_frozen", "decode_killed", "routing_id_takeover",
+          "shm_nearly_full")
+PROBE_TEXT = ("A probe asks whether the pair serves again after a fault: the decode must pull "
+              "this prompt's KV from the prefill. ") * 6
 ENGINES = ("plain", "prefill", "decode", "proxy")
 
 _T = TypeVar("_T")
@@ -123,13 +153,19 @@ class Deployment:
                 continue
             dead.append((name, managed.log_tail(4000)))
             self.cluster.processes.remove(managed)
+            if name == "decode":
+                self.decode_stats_file.unlink(missing_ok=True)
             setattr(self, name, self._start_prefill() if name == "prefill"
                     else self._start_decode())
             wait_healthy([getattr(self, name)], 900)
         return dead
 
+    @property
+    def decode_stats_file(self) -> Path:
+        return self.workdir / "decode-stats.json"
+
     def _start_decode(self) -> Managed:
-        config = decode_transfer_config(self.kv_port, self.workdir / "decode-stats.json",
+        config = decode_transfer_config(self.kv_port, self.decode_stats_file,
                                         layer_deadline_s=10.0, handshake_timeout_s=10.0,
                                         engine_wrapper=faulty_decode(self.faults_file),
                                         read_retries=0)
@@ -137,6 +173,7 @@ class Deployment:
 
     def restart_decode(self) -> None:
         self.cluster.processes.remove(self.decode)
+        self.decode_stats_file.unlink(missing_ok=True)  # the new decode counts from 0
         self.decode = self._start_decode()
         wait_healthy([self.decode], 900)
 
@@ -208,6 +245,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wrong_examples: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
     footprints: dict[str, Any] = {}
+    unusable: dict[str, list[float]] = collections.defaultdict(list)
+    unrecovered: collections.Counter[str] = collections.Counter()
+    probes: collections.Counter[str] = collections.Counter()
+    notes = Notes()
+    drawn = [kind for kind in args.faults if kind not in args.skip_faults]
     with stopping_on_signals(), Cluster(workdir / "logs") as cluster:
         print("starting the deployment ...", flush=True)
         deployment = Deployment(workdir, cluster, model)
@@ -226,9 +268,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while i < args.requests:
                 size = min(args.concurrency, args.requests - i)
                 batch = [rng.choice(prompts) for _ in range(size)]
-                fault = rng.choice(FAULTS) if rng.random() < args.fault_rate else None
+                fault = rng.choice(drawn) if rng.random() < args.fault_rate else None
                 if fault == "decode_killed" and faults["decode_killed"] >= args.max_decode_kills:
-                    fault = "failed_read"
+                    fault = rng.choice([kind for kind in drawn if kind != "decode_killed"]
+                                       or [None])
                 if fault is not None:  # its own prompt: nothing of it is cached anywhere
                     batch[0] = f"request {i} under fault {fault}. {batch[0]}"
                     answer = complete(deployment.plain.url or "", completion_body(
@@ -236,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     assert answer.ok, answer.error
                     reference[batch[0]] = answer.token_ids
                     faults[fault] += 1
-                answers = _batch(deployment, batch, fault, args, rng)
+                answers, cleared = _batch(deployment, batch, fault, args, rng, notes)
                 for offset, (prompt, answer) in enumerate(zip(batch, answers, strict=True)):
                     if answer.ok and answer.token_ids == reference[prompt]:
                         outcome = "identical"
@@ -255,6 +298,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     crashes.append({"i": i, "process": name, "fault": fault, "log_tail": tail})
                     print(f"  {name} died on its own in the batch from request {i} (fault "
                           f"{fault}); restarted", flush=True)
+                    cleared = time.monotonic()
+                if fault is not None:
+                    took = _time_until_usable(deployment, cleared, f"{i}", reference, args,
+                                              probes)
+                    if took is None:
+                        unrecovered[fault] += 1
+                        print(f"  the pair stayed unusable for over {args.recovery_limit:g} s "
+                              f"after {fault} (batch from request {i})", flush=True)
+                    else:
+                        unusable[fault].append(round(took, 3))
                 before, i = i, i + size
                 if i // 25 > before // 25:
                     print(f"  {i} requests: {dict(counts)}; faults {dict(faults)}",
@@ -262,18 +315,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             footprints["end"] = deployment.footprints()
         finally:
             deployment.master.stop()
+    worst = {kind: max(times) for kind, times in unusable.items()}
     return {"requests": args.requests, "faults": dict(faults),
             "identical": counts["identical"], "failed_cleanly": counts["failed_cleanly"],
             "wrong": counts["wrong"], "hung": counts["hung"], "crashes": len(crashes),
             "by_fault": {kind: dict(outcomes) for kind, outcomes in by_fault.items()},
             "crash_details": crashes, "wrong_examples": wrong_examples,
             "concurrency": args.concurrency, "footprints": footprints,
-            "workdir": str(workdir)}
+            "unusable_s": dict(unusable), "worst_unusable_s": worst,
+            "unrecovered": dict(unrecovered), "probes": dict(probes),
+            "takeover": attrs.asdict(notes.takeover), "shm_left_bytes": notes.shm_left,
+            "skipped_faults": args.skip_faults, "workdir": str(workdir)}
+
+
+@attrs.define
+class Notes:
+    """What the new faults observed, for the JSON."""
+
+    takeover: TakeoverCounts = attrs.Factory(TakeoverCounts)
+    shm_left: list[int] = attrs.Factory(list)
+    """Bytes left in /dev/shm while each shm_nearly_full batch ran."""
 
 
 def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
-           args: argparse.Namespace, rng: random.Random) -> list[Answer]:
-    """Send ``prompts`` at once through the proxy while ``fault`` is in effect."""
+           args: argparse.Namespace, rng: random.Random, notes: Notes
+           ) -> tuple[list[Answer], float]:
+    """Send ``prompts`` at once through the proxy while ``fault`` is in effect; the answers and
+    when the fault ended (monotonic)."""
     bodies = [completion_body(prompt, MAX_TOKENS, stream=rng.random() < 0.5)
               for prompt in prompts]
 
@@ -291,16 +359,29 @@ def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
         deployment.faults_file.write_text(json.dumps(setting))
         time.sleep(0.3)  # the decode reads its fault file when it changes
         try:
-            return send()
+            answers = send()
         finally:
             deployment.faults_file.write_text("{}")
-            time.sleep(0.3)
+        cleared = time.monotonic()
+        time.sleep(0.3)
+        return answers, cleared
     if fault == "bad_frames":
-        return _alongside(send, lambda stop: _bad_frames(deployment.decode_control_endpoint(),
-                                                         stop))
+        answers = _alongside(send, lambda stop: _bad_frames(
+            deployment.decode_control_endpoint(), stop))
+        return answers, time.monotonic()
+    if fault == "routing_id_takeover":
+        answers = _alongside(send, lambda stop: keep_taking_over(
+            deployment.decode_control_endpoint(), deployment.decode.log_path, notes.takeover,
+            stop))
+        return answers, time.monotonic()
+    if fault == "shm_nearly_full":
+        with filled(args.shm_remainder_kib * 1024) as left:
+            notes.shm_left.append(left)
+            answers = send()
+        return answers, time.monotonic()
     if fault == "bad_notify":
         _bad_notify(deployment.proxy.url or "")
-        return send()
+        return send(), time.monotonic()
     if fault == "master_killed":
         process = deployment.master._process
         assert process is not None
@@ -308,26 +389,78 @@ def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
         process.wait()
         deployment.master._cleanup()
         try:
-            return send()
+            answers = send()
         finally:
             deployment.restart_master()
+        return answers, time.monotonic()
     if fault == "master_frozen":
         pid = deployment.master.pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         try:
-            return send()
+            answers = send()
         finally:
             os.kill(pid, signal.SIGCONT)
+        return answers, time.monotonic()
     if fault == "decode_killed":
         killer = threading.Timer(rng.uniform(0.05, 0.5), deployment.decode.kill)
         killer.start()
         try:
-            return send()
+            answers = send()
         finally:
             killer.join()
             deployment.restart_decode()
-    return send()
+        return answers, time.monotonic()
+    return send(), time.monotonic()
+
+
+def _time_until_usable(deployment: Deployment, cleared: float, label: str,
+                       reference: dict[str, tuple[int, ...]], args: argparse.Namespace,
+                       probes: collections.Counter[str]) -> float | None:
+    """Seconds from ``cleared`` until a probe request was served by the pair (see the module
+    docstring); None when none was within ``--recovery-limit``. Counts each probe's outcome
+    in ``probes`` (identical, recomputed, failed_cleanly, wrong, hung)."""
+    limit = cleared + args.recovery_limit
+    attempt = 0
+    while time.monotonic() < limit:
+        prompt = f"probe {label}.{attempt}: {PROBE_TEXT}"
+        attempt += 1
+        before = decode_stats(deployment.decode_stats_file).get("received", 0)
+        timeout = min(args.timeout, max(5.0, limit - time.monotonic() + 5.0))
+        answer = complete(deployment.proxy.url or "",
+                          completion_body(prompt, MAX_TOKENS, stream=False), timeout_s=timeout)
+        ended = time.monotonic()
+        if not answer.ok:
+            probes["hung" if answer.total_s >= timeout * 0.99 else "failed_cleanly"] += 1
+            time.sleep(0.2)
+            continue
+        plain = complete(deployment.plain.url or "",
+                         completion_body(prompt, MAX_TOKENS, stream=False),
+                         timeout_s=args.timeout)
+        assert plain.ok, plain.error
+        reference[prompt] = plain.token_ids
+        if answer.token_ids != plain.token_ids:
+            probes["wrong"] += 1
+            continue
+        if not _pulled(deployment.decode_stats_file, before):
+            probes["recomputed"] += 1
+            time.sleep(0.2)
+            continue
+        probes["identical"] += 1
+        return ended - cleared
+    return None
+
+
+def _pulled(stats_file: Path, before: int, wait_s: float = 3.0) -> bool:
+    """Whether the decode's ``received`` counter rose above ``before`` (it is written after
+    the step that counted the request, so wait a little)."""
+    limit = time.monotonic() + wait_s
+    while True:
+        if decode_stats(stats_file).get("received", 0) > before:
+            return True
+        if time.monotonic() > limit:
+            return False
+        time.sleep(0.1)
 
 
 def _alongside(send: Callable[[], _T], noise: Callable[[threading.Event], None]) -> _T:
@@ -360,10 +493,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--concurrency", type=_positive, default=8,
                         help="requests in flight at once (each batch shares its fault)")
+    parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
+                        help="the faults drawn from (default: all)")
+    parser.add_argument("--recovery-limit", type=float, default=120.0,
+                        help="seconds after a fault within which the pair must serve again")
+    parser.add_argument("--shm-mib", type=_positive, default=256,
+                        help="size of the soak's private /dev/shm (tmpfs)")
+    parser.add_argument("--shm-remainder-kib", type=int, default=16,
+                        help="what shm_nearly_full leaves free in /dev/shm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    reexec_in_namespace([str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
+    again = [str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
+    reexec_in_namespace(again)
+    problem = why_no_private_shm()
+    args.skip_faults = {}
+    if problem is None:
+        reexec_with_private_shm(again, args.shm_mib)
+    else:
+        args.skip_faults["shm_nearly_full"] = f"no private /dev/shm: {problem}"
+        print(f"shm_nearly_full left out: {problem}", flush=True)
+    assert "shm_nearly_full" in args.skip_faults or private()
     result = run(args)
     print()
     print(f"{'requests':<28}{result['requests']:>6}")
@@ -373,11 +523,19 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("identical", "failed_cleanly", "wrong", "hung"):
         print(f"{'answers ' + key:<28}{result[key]:>6}")
     print(f"{'engines died on their own':<28}{result['crashes']:>6}")
+    print(f"{'probes':<28}{result['probes']}")
+    print(f"{'takeover':<28}{result['takeover']}")
     print()
-    print(f"{'fault':<16}" + "".join(f"{key:>16}" for key in OUTCOMES))
+    print(f"{'fault':<22}" + "".join(f"{key:>15}" for key in OUTCOMES)
+          + f"{'worst unusable':>16}")
     for kind in ("none", *FAULTS):
         outcomes = result["by_fault"].get(kind, {})
-        print(f"{kind:<16}" + "".join(f"{outcomes.get(key, 0):>16}" for key in OUTCOMES))
+        worst = result["worst_unusable_s"].get(kind)
+        shown = f"{worst:.1f} s" if worst is not None else "-"
+        if result["unrecovered"].get(kind):
+            shown = f"> {args.recovery_limit:g} s"
+        print(f"{kind:<22}" + "".join(f"{outcomes.get(key, 0):>15}" for key in OUTCOMES)
+              + f"{shown:>16}")
     print()
     for moment in ("start", "end"):
         prints = result["footprints"].get(moment, {})
@@ -387,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"MiB)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    return 0 if result["wrong"] == result["hung"] == result["crashes"] == 0 else 1
+    bad = (result["wrong"] + result["hung"] + result["crashes"]
+           + sum(result["unrecovered"].values()) + result["probes"].get("wrong", 0)
+           + result["probes"].get("hung", 0)
+           + result["takeover"]["answered"])
+    return 0 if bad == 0 else 1
 
 
 if __name__ == "__main__":

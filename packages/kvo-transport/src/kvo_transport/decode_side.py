@@ -523,8 +523,9 @@ class DecodeReceiver:
                 stale = next(iter(self._sessions))
                 log.info("decode %s: forgetting the oldest session %r", self.endpoint,
                          self._sessions.pop(stale).label)
-        log.info("decode %s: accepted MF_META from %s, member %d of %d, %d layers",
-                 self.endpoint, label, meta.member, meta.ratio, len(meta.layers))
+        log.info("decode %s: accepted MF_META from %s on connection %r, member %d of %d, %d "
+                 "layers", self.endpoint, label, identity, meta.member, meta.ratio,
+                 len(meta.layers))
         self._reply(identity, HandshakeAnswer(version=PROTOCOL_VERSION, accepted=True,
                                               decode_session_id=self._engine.session_id,
                                               max_frame_bytes=self._decoder.max_frame_bytes))
