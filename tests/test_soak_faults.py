@@ -95,3 +95,64 @@ def test_the_soak_claims_the_logged_routing_id_and_the_decode_never_answers_it(
         decode_log.removeHandler(handler)
         decode_log.setLevel(previous_level)
         handler.close()
+
+
+def test_the_soak_never_fills_a_dev_shm_that_is_not_its_own(monkeypatch) -> None:
+    from pd import private_shm
+
+    monkeypatch.delenv(private_shm.MARK, raising=False)
+    with pytest.raises(RuntimeError, match="not the soak's private one"), private_shm.filled(0):
+        pass
+    assert not (private_shm.SHM / private_shm.FILLER).exists()
+
+
+FILL_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tools!r})
+from pd.private_shm import filled, free_bytes
+report = {{"before": free_bytes()}}
+try:
+    with filled(16384) as left:
+        report["left"] = left
+        try:
+            open("/dev/shm/more", "wb").write(b"x" * 65536)
+        except OSError as error:
+            report["write"] = error.strerror
+        raise KeyError("a batch that failed")
+except KeyError:
+    pass
+report["after"] = free_bytes()
+report["files"] = sorted(os.listdir("/dev/shm"))
+print(json.dumps(report))
+"""
+
+
+def test_shm_nearly_full_leaves_the_remainder_and_frees_it_again_after_a_failure(
+        tmp_path: Path) -> None:
+    """In a private tmpfs (as the soak runs): filled up to 16 KiB, a 64 KiB write fails with
+    ENOSPC, and the filler is gone again after the batch raised."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pd import private_shm
+
+    if private_shm.why_no_private_shm() is not None or shutil.which("unshare") is None:
+        pytest.skip(f"no private /dev/shm here: {private_shm.why_no_private_shm()}")
+    tools = str(Path(private_shm.__file__).resolve().parent.parent)
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_SCRIPT.format(tools=tools))
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=4m kvo-test-shm /dev/shm && {private_shm.MARK}=4 exec "
+         f"{sys.executable} {script}"],
+        capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["before"] == 4 << 20
+    assert report["left"] == 16384
+    assert report["write"] == "No space left on device"
+    assert private_shm.FILLER not in report["files"]
+    assert report["after"] >= report["before"] - 65536  # only the failed write's partial file
