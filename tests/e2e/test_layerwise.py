@@ -185,7 +185,7 @@ class FailingGets:
     """Makes the worker's next ``count`` store gets raise, as Mooncake does on LEASE_EXPIRED."""
 
     def __init__(self, count: int) -> None:
-        from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS
+        from kvo_vllm.layerwise.loader import LOAD_ATTEMPTS
 
         self.worker = e2e.layerwise_worker_connector().worker
         self.left = count * LOAD_ATTEMPTS  # every retry of ``count`` loads fails too

@@ -47,6 +47,7 @@ from kvo_core.gates import SlotGates, SlotKey
 from kvo_vllm.dsa.offload_metrics import connector_stats
 from kvo_vllm.layerwise.keys import StoreKeys, namespace_for
 from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
+from kvo_vllm.layerwise.loader import LoadHook
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
 from kvo_vllm.layerwise.put_progress import PendingPutsTracker, StagedPutsPending
 from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
@@ -57,7 +58,8 @@ from kvo_vllm.layerwise.store_client import (
     release_store,
     store_options_from,
 )
-from kvo_vllm.layerwise.worker_side import LayerwiseStats, LayerwiseWorker, LoadHook
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker
+from kvo_vllm.layerwise.worker_stats import LayerwiseStats
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     SPARSE_OFFLOAD_METRICS,

@@ -1,0 +1,162 @@
+"""The layerwise worker's counters: one owner (``StatsRecorder``), written from the forward's
+thread, the loader, the savers and the flush thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import attrs
+
+from kvo_vllm.layerwise.buffers import LayerBuffer
+
+
+@attrs.define
+class LayerwiseStats:
+    """Counters since start-up (read by tests and the benchmark)."""
+
+    steps: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    missing_blocks: int = 0
+    """Blocks the store answered as absent (a subset of ``failed_loads``)."""
+    failed_loads: int = 0
+    failed_saves: int = 0
+    poisoned_keys: int = 0
+    save_seconds: float = 0.0
+    staged_bytes: int = 0
+    """Bytes copied to the staging area (then put after the forward)."""
+    staging_fallbacks: int = 0
+    """Layer saves that did not fit the staging area and were put from the device buffer."""
+    held_bytes: int = 0
+    """Bytes the batched put read straight from a buffer (each buffer's last layer of the
+    step: no copy, the slot held until the put ends)."""
+    stage_seconds: float = 0.0
+    """Time spent copying layers into the staging area (on the forward's thread)."""
+    flush_seconds: float = 0.0
+    """Time of the batched puts of staged blocks (after the forward)."""
+    staged_puts: int = 0
+    """Batched puts of staged blocks that ended (stored or failed)."""
+    flush_wait_seconds: float = 0.0
+    """Time ``start_step`` waited for the previous step's staged puts."""
+    load_seconds: float = 0.0
+    ready_wait_seconds: float = 0.0
+    """Time the forward waited for a layer to be ready (slot release + load not yet done)."""
+    step_end_wait_seconds: float = 0.0
+    """Time ``wait_for_save`` waited for the step's last saves (not overlapped with compute)."""
+    loaded_blocks_by_layer: dict[int, int] = attrs.field(factory=dict)
+    saved_bytes_by_part: dict[str, int] = attrs.field(factory=dict)
+    """Bytes saved per cache part (``kv``, ``idx``)."""
+    loaded_bytes_by_part: dict[str, int] = attrs.field(factory=dict)
+
+    def metric_counters(self) -> dict[str, float]:
+        """The cumulative counters kvo exports to vLLM's metrics (``kvo_vllm.metrics``)."""
+        return {
+            "layerwise_saved_bytes": self.saved_bytes,
+            "layerwise_saved_blocks": self.saved_blocks,
+            "layerwise_loaded_bytes": self.loaded_bytes,
+            "layerwise_loaded_blocks": self.loaded_blocks,
+            "layerwise_missing_blocks": self.missing_blocks,
+            "layerwise_failed_loads": self.failed_loads,
+            "layerwise_failed_saves": self.failed_saves,
+            "layerwise_poisoned_keys": self.poisoned_keys,
+            "layerwise_ready_wait_seconds": self.ready_wait_seconds,
+            "layerwise_step_end_wait_seconds": self.step_end_wait_seconds,
+        }
+
+
+@attrs.define
+class StepCounts:
+    """Counters the forward's thread adds to during a step, with no lock, folded into
+    ``LayerwiseStats`` at its end (one lock per step, not one per layer)."""
+
+    ready_wait_seconds: float = 0.0
+    staged_bytes: int = 0
+    stage_seconds: float = 0.0
+    held_bytes: int = 0
+
+
+def bytes_by_part(buffer: LayerBuffer, blocks: int) -> dict[str, int]:
+    """What ``blocks`` blocks of ``buffer``'s layer weigh in each cache part."""
+    return {part.planned.part: blocks * part.planned.block_bytes for part in buffer.parts}
+
+
+def _add_by_part(into: dict[str, int], amounts: Mapping[str, int]) -> None:
+    for name, moved in amounts.items():
+        into[name] = into.get(name, 0) + moved
+
+
+class StatsRecorder:
+    """Owns ``stats``: every thread adds through it, under one lock."""
+
+    def __init__(self) -> None:
+        self.stats = LayerwiseStats()
+        self.step = StepCounts()
+        """The forward thread's counters of the running step (``fold_step``)."""
+        self._lock = threading.Lock()
+
+    def fold_step(self) -> None:
+        """Add the step's forward-thread counters to ``stats``."""
+        counts, self.step = self.step, StepCounts()
+        with self._lock:
+            self.stats.ready_wait_seconds += counts.ready_wait_seconds
+            self.stats.staged_bytes += counts.staged_bytes
+            self.stats.stage_seconds += counts.stage_seconds
+            self.stats.held_bytes += counts.held_bytes
+
+    def step_started(self) -> None:
+        with self._lock:
+            self.stats.steps += 1
+
+    def loaded(self, buffer: LayerBuffer, *, loaded: int, failed: int, missing: int,
+               seconds: float) -> None:
+        """A layer's load ended: ``loaded`` blocks in, ``failed`` not (``missing`` of them
+        absent from the store)."""
+        with self._lock:
+            stats = self.stats
+            stats.loaded_blocks += loaded
+            layer = buffer.layer.index
+            stats.loaded_blocks_by_layer[layer] = (
+                stats.loaded_blocks_by_layer.get(layer, 0) + loaded)
+            moved = bytes_by_part(buffer, loaded)
+            stats.loaded_bytes += sum(moved.values())
+            _add_by_part(stats.loaded_bytes_by_part, moved)
+            stats.failed_loads += failed
+            stats.missing_blocks += missing
+            stats.load_seconds += seconds
+
+    def saved(self, blocks: int, moved: Mapping[str, int], *, save_seconds: float = 0.0,
+              flush_seconds: float = 0.0, staged_put: bool = False) -> None:
+        """A put stored ``blocks`` blocks (``moved``: their bytes by part): a layer's direct
+        put (``save_seconds``) or a step's batched put (``flush_seconds``)."""
+        with self._lock:
+            stats = self.stats
+            stats.staged_puts += staged_put
+            stats.saved_blocks += blocks
+            stats.saved_bytes += sum(moved.values())
+            _add_by_part(stats.saved_bytes_by_part, moved)
+            stats.save_seconds += save_seconds
+            stats.flush_seconds += flush_seconds
+
+    def save_failed(self, blocks: int, *, staged_put: bool = False) -> None:
+        with self._lock:
+            self.stats.staged_puts += staged_put
+            self.stats.failed_saves += blocks
+
+    def poisoned(self, keys: int) -> None:
+        with self._lock:
+            self.stats.poisoned_keys += keys
+
+    def staging_fell_back(self) -> None:
+        with self._lock:
+            self.stats.staging_fallbacks += 1
+
+    def waited_at_step_end(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.step_end_wait_seconds += seconds
+
+    def waited_for_flush(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.flush_wait_seconds += seconds
