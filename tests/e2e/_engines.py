@@ -167,6 +167,27 @@ def layerwise_worker_connector() -> Any:
     return connector
 
 
+@contextlib.contextmanager
+def corrupting_loads(corrupt: Any) -> Iterator[None]:
+    """Fault injection: after each layer's load in this process's layerwise worker, call
+    ``corrupt(cache name, cache, loaded block ids)`` once per cache (main KV, DSA indexer)."""
+    loader = layerwise_worker_connector().worker.registered.loader
+    load = loader.load_layer
+
+    def load_then_corrupt(buffer: Any) -> list[int]:
+        failed = load(buffer)
+        loaded = [ref.block_id for ref in loader.loads_of(buffer) if ref.block_id not in failed]
+        for part in buffer.parts if loaded else ():
+            corrupt(part.planned.cache_name, part.tensor, loaded)
+        return failed
+
+    loader.load_layer = load_then_corrupt  # the loader submits its own ``load_layer``
+    try:
+        yield
+    finally:
+        del loader.load_layer
+
+
 def scheduler_connector(llm: Any) -> Any:
     """The scheduler side's connector of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector

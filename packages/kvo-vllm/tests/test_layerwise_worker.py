@@ -199,7 +199,7 @@ def test_a_cold_step_overwrites_a_shared_buffer_only_after_its_save(rig) -> None
         worker.before_attention(name)
         worker.after_attention(name)
     worker.finish_step()
-    assert not worker.loader.loads_pending and worker.stats.loaded_blocks == 0
+    assert not worker.registered.loader.loads_pending and worker.stats.loaded_blocks == 0
     for layer in range(3, 6):  # layer L reuses layer L-2's buffer
         assert KEYS.key("b1", layer - 2) in stored_before_write[layer], layer
     page = caches[NAMES[0]][1].numel()
@@ -386,15 +386,13 @@ def test_dsa_layers_save_and_reload_main_kv_and_indexer_under_part_keys(dsa_rig)
     dsa_forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 10})
     assert set(store.values) == {KEYS.key("b1", i, part) for i in range(3)
                                  for part in ("kv", "idx")}
-    hooked: list[str] = []
-    worker.load_hook = lambda name, cache, blocks: hooked.append(name)
     seen: dict[str, torch.Tensor] = {}
     dsa_forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 20}, seen)
     for i, (attn, keys) in enumerate(zip(DSA_ATTN, DSA_KEYS, strict=True)):
         # Layer 2 took layer 1's slot; both its caches were reloaded from the store.
         assert torch.all(seen[attn][1] == 10.0 + i) and torch.all(seen[keys][1] == 10 + i)
         assert torch.all(seen[attn][2] == 20.0 + i) and torch.all(seen[keys][2] == 20 + i)
-    assert hooked == [DSA_ATTN[1], DSA_KEYS[1], DSA_ATTN[2], DSA_KEYS[2]]
+    assert worker.stats.loaded_blocks_by_layer == {1: 1, 2: 1}  # layer 0 owns its buffer
     main_page, index_page = DSA_MAIN.page_size_bytes, DSA_INDEXER.page_size_bytes
     assert worker.stats.loaded_bytes_by_part == {"kv": 2 * main_page, "idx": 2 * index_page}
     assert worker.stats.saved_bytes_by_part == {"kv": 6 * main_page, "idx": 6 * index_page}
@@ -440,7 +438,7 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
 
     def failing_remote_read(layer_name: str) -> None:
         part = f"remote:{layer_name}"
-        slot = worker.buffers.by_name[layer_name].slot
+        slot = worker.slot_key(layer_name)
         worker.gates.announce(slot, part)  # the round takes it when the layer closes
         worker.gates.mark_failed(slot, part, "decode failed to read")  # before it does
 
@@ -449,7 +447,8 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
     store.put_delay = 0.05
     forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0},
             before_save=failing_remote_read)
-    last_round = worker.gates.error(worker.buffers.by_name[NAMES[-1]].slot)  # taken, and it failed
+    # The last layer's round took the announced read, and it failed.
+    last_round = worker.gates.error(worker.slot_key(NAMES[-1]))
     assert last_round is not None and "decode failed to read" in last_round
     assert {KEYS.key("b2", i) for i in range(6)} <= set(store.values)  # no save poisoned
     time_of = {(kind, key): t for kind, key, t in store.events}
@@ -463,7 +462,7 @@ def test_a_block_outside_the_cache_has_no_address(rig) -> None:
     """The loader's memmove of a key read once for two blocks writes at these addresses: a
     block id past the cache is refused, not written into another layer's blocks."""
     worker, _, _ = rig
-    part = worker.buffers.by_name[NAMES[0]].parts[0]
+    part = worker.registered.buffers.by_name[NAMES[0]].parts[0]
     last = NUM_BLOCKS - 1
     assert part.address(last) == part.pointer + last * part.planned.block_bytes
     with pytest.raises(IndexError, match=f"outside the {NUM_BLOCKS} blocks"):
@@ -477,7 +476,7 @@ def test_block_runs_address_the_same_bytes_as_their_blocks(dsa_rig) -> None:
     in the same order (part by part, blocks in the order given), as block by block; a run
     reaching past the cache is refused."""
     worker = dsa_rig[0]
-    buffer = worker.buffers.in_order[0]
+    buffer = worker.registered.buffers.in_order[0]
     assert len(buffer.parts) == 2
     ids = [1, 2, 0, 3]
     refs = [BlockRef(block, f"h/{block}") for block in ids]

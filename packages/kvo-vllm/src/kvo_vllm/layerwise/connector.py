@@ -47,7 +47,6 @@ from kvo_core.gates import SlotGates, SlotKey
 from kvo_vllm.dsa.offload_metrics import connector_stats
 from kvo_vllm.layerwise.keys import StoreKeys, namespace_for
 from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
-from kvo_vllm.layerwise.loader import LoadHook
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
 from kvo_vllm.layerwise.put_progress import PendingPutsTracker, StagedPutsPending
 from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
@@ -232,10 +231,6 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         """The buffer slot of a layer, by the name of any of its caches."""
         return self.worker.slot_key(cache_name)
 
-    def set_load_hook(self, hook: LoadHook | None) -> None:
-        """Test hook: called with each cache (main KV, indexer) and the block ids just loaded."""
-        self.worker.load_hook = hook
-
     @property
     def stats(self) -> LayerwiseStats:
         return self.worker.stats
@@ -252,7 +247,7 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """With staging: whether this step's counters still miss a running put
         (``put_progress``)."""
-        if self._worker is None or self._worker.staging is None:
+        if self._worker is None or self._worker.registered.saver.staging is None:
             return None
         return StagedPutsPending(pending=self._put_pending_at_stats)
 

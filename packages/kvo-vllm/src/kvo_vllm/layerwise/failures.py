@@ -1,9 +1,17 @@
-"""What the layerwise worker does when a load or a save fails (``worker_side`` docstring).
+"""What the layerwise worker does when a load or a save fails.
 
-A load that fails makes the affected requests' KV wrong from that layer on: their saves are
-dropped and their keys poisoned (``trusted_saves``), their blocks reported to vLLM at the
-step's end (``take_load_errors``). A failed save poisons its keys. A step that poisoned keys
-ends only once they are gone from the store (``settle_step``).
+A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
+times (``loader``). A load that still fails is reported as invalid blocks: vLLM then drops the
+affected requests' output of this step and recomputes them from their first failed block, or
+fails them, as ``kv_load_failure_policy`` says. The step's forward still runs over the failed
+layer's buffer (for a shared layer it holds another layer's KV), so from that layer on the
+affected requests' KV is wrong: their saves for those layers are dropped and the keys poisoned
+(removed, never loaded), so neither another request nor a later step loads wrong or outdated KV
+from the store. A failed save poisons its keys the same way. A step that poisoned keys ends
+(``finish_step``) only once they are gone from the store (at most ``layer_deadline_s``): the
+scheduler's next prefix lookup must not promise them to another request, whose load would fail.
+A removal that takes longer still never lands after a later save of the same key
+(``poisoned_keys``): it would delete the fresh value and fail the next request that loads it.
 """
 
 from __future__ import annotations
@@ -106,13 +114,13 @@ class FailurePolicy:
         """A layer's save failed: its keys are poisoned."""
         logger.error("kvo layerwise: saving layer %s failed: %s", layer_name, error)
         self.poison(keys)
-        self._recorder.save_failed(blocks)
+        self._recorder.add(failed_saves=blocks)
 
     def staged_put_failed(self, keys: list[str], blocks: int, error: Exception) -> None:
         """A step's batched put failed (after the step: the next one waits for the removal)."""
         logger.error("kvo layerwise: saving %d staged blocks failed: %s", blocks, error)
         self.poison_after_step(keys)
-        self._recorder.save_failed(blocks, staged_put=True)
+        self._recorder.add(failed_saves=blocks, staged_puts=1)
 
     def poison(self, keys: list[str]) -> None:
         """Poison ``keys``; the step ends once they are removed (``end_step``)."""
@@ -123,13 +131,13 @@ class FailurePolicy:
         """Poison without ending the step on their removal (a staged put after the step:
         the next step waits for the removal in ``wait_staged_puts``)."""
         self.poisoned.poison(keys)
-        self._recorder.poisoned(len(keys))
+        self._recorder.add(poisoned_keys=len(keys))
 
     def remove_poisoned_now(self) -> None:
-        """Wait for the removal of the keys poisoned so far (``worker_side`` docstring)."""
+        """Wait for the removal of the keys poisoned so far (module docstring)."""
         started = time.perf_counter()
         if not self.poisoned.settle(self._deadline_s):
             logger.warning("kvo layerwise: removing poisoned keys from the store takes longer "
                            "than %g s; until it ends a prefix lookup may still find them",
                            self._deadline_s)
-        self._recorder.waited_at_step_end(time.perf_counter() - started)
+        self._recorder.add(step_end_wait_seconds=time.perf_counter() - started)

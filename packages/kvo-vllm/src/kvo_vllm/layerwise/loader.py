@@ -1,9 +1,6 @@
 """Readies a layer's buffer for its attention: its slot free (the previous occupant's save
 over), then the step's blocks for it loaded from the store, in the background ahead of the
 forward (``prefetch_depth`` layers) or on the forward's thread when there is nothing to load.
-
-A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
-times; the block ids that still failed go back to the worker (``FailurePolicy``).
 """
 
 from __future__ import annotations
@@ -11,11 +8,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from kvo_vllm.layerwise.buffers import LayerBuffer, LayerBuffers
 from kvo_vllm.layerwise.errors import PipelineError
@@ -26,11 +20,6 @@ from kvo_vllm.layerwise.slot_rounds import SlotRounds
 from kvo_vllm.layerwise.worker_stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
-
-LoadHook = Callable[[str, torch.Tensor, list[int]], None]
-"""Called after a layer's blocks were loaded, once per cache part: (cache name, cache, loaded
-block ids). A dense layer has one cache (named like the layer); a DSA layer two (its MLA cache
-and its indexer's key cache)."""
 
 LOAD_ATTEMPTS = 3
 """Tries of one layer's batched get before its blocks are reported as load errors."""
@@ -50,7 +39,6 @@ class LayerLoader:
         self._recorder = recorder
         self._prefetch_depth = prefetch_depth
         self._deadline_s = deadline_s
-        self.load_hook: LoadHook | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._loads: dict[bool, list[BlockRef]] = {True: [], False: []}
         """The step's blocks to load, for shared layers (True) and layers owning a buffer."""
@@ -79,9 +67,8 @@ class LayerLoader:
             name = buffer.layer.name
             # A layer with nothing to load only waits for its slot; make_ready does that on
             # the forward's thread (a cold prefill: no hand-off to the loader per layer).
-            if self._loads[buffer.layer.shared] and name not in self._pending and (
-                    name not in self.ready):
-                self._pending[name] = self._executor.submit(self._load_layer, buffer)
+            if self.loads_of(buffer) and name not in self._pending and name not in self.ready:
+                self._pending[name] = self._executor.submit(self.load_layer, buffer)
 
     def make_ready(self, position: int) -> list[int]:
         """Ready the layer at ``position``; the block ids whose load failed."""
@@ -111,14 +98,18 @@ class LayerLoader:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _load_layer(self, buffer: LayerBuffer) -> list[int]:
+    def loads_of(self, buffer: LayerBuffer) -> list[BlockRef]:
+        """The running step's blocks to load into ``buffer``'s layer."""
+        return self._loads[buffer.layer.shared]
+
+    def load_layer(self, buffer: LayerBuffer) -> list[int]:
         """Load the step's blocks into every part of the layer; the block ids that failed.
 
         A block is loaded only when all its parts are: one part missing (or poisoned) fails
         the block, and vLLM recomputes it.
         """
         self._rounds.wait_free(buffer)
-        refs = self._loads[buffer.layer.shared]
+        refs = self.loads_of(buffer)
         if not refs:
             return []
         started = time.perf_counter()
@@ -170,9 +161,6 @@ class LayerLoader:
             logger.warning("kvo layerwise: layer %s: %d of %d blocks missing from the store "
                            "(%d keys, e.g. %s)", buffer.layer.name, len(failed), len(refs),
                            len(lost), lost[:2])
-        if self.load_hook is not None and loaded:
-            for part in buffer.parts:
-                self.load_hook(part.planned.cache_name, part.tensor, loaded)
         self._recorder.loaded(buffer, loaded=len(loaded), failed=len(failed),
                               missing=len({i % count for i in absent}),
                               seconds=time.perf_counter() - started)

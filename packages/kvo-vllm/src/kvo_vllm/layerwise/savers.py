@@ -1,17 +1,19 @@
-"""Saving a layer's new blocks to the store after its attention: one interface, two ways,
-chosen once when the caches are registered (``make_saver``).
+"""Saving a layer's new blocks to the store after its attention, one of two ways chosen when
+the caches are registered (``make_saver``); both offer ``DirectSaver``'s methods.
 
-- ``DirectSaver``: the layer's slot stays closed while a saver thread puts its blocks from the
-  buffer; the step's end waits for every put (the next step loads them).
-- ``StagedSaver`` (``save_staging_bytes`` > 0; ``staging`` module docstring): the forward's
-  thread copies the layer into registered host memory and the slot is free at once; the last
-  layer of each buffer is put in place instead, its slot held until the put ends. The step's
-  staged and held blocks go to the store in one batched put on a flush thread after the step,
-  which the next step waits for before it writes any buffer (``wait_for_puts``). A layer that
+- ``DirectSaver``: a saver thread puts the layer from its buffer, whose slot stays closed until
+  the put ends; the step's end waits for every put.
+- ``StagedSaver`` (``save_staging_bytes`` > 0): the forward's thread copies the layer into
+  registered host memory (``staging``) and the slot is free at once; the last layer of each
+  buffer is not copied: it is put in place, its slot closed at the step's end until the put
+  ends (nothing in the step overwrites it). The step's staged and held blocks go to the store
+  in one batched put on a flush thread after the step; the next step waits for it before
+  anything writes a buffer (``handle_preemptions``, then ``start_step``). Their keys and
+  addresses are built at the step's end, in one loop, not in each layer's hook. A layer that
   does not fit the staging area is saved directly.
 
 Every put is ordered against removals of its keys (``PoisonedKeys.begin_save``); a failed or
-torn save poisons its keys (``FailurePolicy``).
+torn save poisons its keys (``failures``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
@@ -35,33 +37,6 @@ from kvo_vllm.layerwise.staging import PENDING_PUTS, SaveStaging
 from kvo_vllm.layerwise.worker_stats import StatsRecorder, bytes_by_part
 
 logger = logging.getLogger(__name__)
-
-
-class LayerSaver(Protocol):
-    """How a layer's blocks reach the store."""
-
-    @property
-    def staging(self) -> SaveStaging | None:
-        """The staging area (``StagedSaver``), or None."""
-
-    def save_layer(self, buffer: LayerBuffer, blocks: BlockSet) -> None:
-        """After the layer's attention: save ``blocks`` of it (the slot stays closed until
-        the save no longer reads the buffer)."""
-
-    def finish_step(self) -> None:
-        """The forward is over: the step's saves are in the store, or handed to the flush
-        thread (``wait_for_puts``)."""
-
-    def wait_for_puts(self) -> None:
-        """Before anything writes a buffer again: the last step's puts are over."""
-
-    def put_pending(self) -> bool:
-        """Whether the last step's put still runs (``put_progress``)."""
-
-    def after_puts(self, action: Callable[[], None]) -> None:
-        """Run ``action`` once the puts now running are over (now when none is)."""
-
-    def close(self) -> None: ...
 
 
 @attrs.frozen
@@ -105,31 +80,37 @@ def _confirmed() -> bool:
 class DirectSaver:
     """Each layer put from its buffer by a saver thread, the slot closed until it ends."""
 
+    staging: SaveStaging | None = None
+    """The staging area (``StagedSaver``), or None."""
+
     def __init__(self, parts: SaverParts) -> None:
         self._parts = parts
-        self.staging: SaveStaging | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
         self._futures: list[Future[None]] = []
 
     def save_layer(self, buffer: LayerBuffer, blocks: BlockSet) -> None:
+        """After the layer's attention: save ``blocks`` of it."""
         save = self._parts.rounds.open(buffer)
         self._futures.append(self._executor.submit(self._put_layer, buffer, save, blocks))
 
     def finish_step(self) -> None:
+        """The forward is over: wait for the step's puts (the next step loads them)."""
         started = time.perf_counter()
         for future in self._futures:
             future.result()
         if self._futures:
-            self._parts.recorder.waited_at_step_end(time.perf_counter() - started)
+            self._parts.recorder.add(step_end_wait_seconds=time.perf_counter() - started)
         self._futures = []
 
     def wait_for_puts(self) -> None:
-        pass
+        """Before anything writes a buffer again: the last step's batched put is over."""
 
     def put_pending(self) -> bool:
+        """Whether the last step's batched put still runs (``put_progress``)."""
         return False
 
     def after_puts(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the puts now running are over (now when none is)."""
         action()
 
     def close(self) -> None:
@@ -221,19 +202,17 @@ class _Flush:
     overdue_logged: bool = False
 
 
-class StagedSaver:
+class StagedSaver(DirectSaver):
     """Layers copied to a staging area (or held in place) and put in one batch after the
-    step (module docstring)."""
+    step; saved directly when they do not fit (module docstring)."""
 
     def __init__(self, parts: SaverParts, buffers: LayerBuffers, *, staging_bytes: int,
                  flush_nice: int) -> None:
-        self._parts = parts
+        super().__init__(parts)
         self.staging: SaveStaging = SaveStaging(staging_bytes,
                                                 min_bytes=buffers.widest_block_bytes)
         self._held_layers = buffers.last_of_each_slot()
         """The last layer of each buffer, which the step's batched put reads in place."""
-        self._direct = DirectSaver(parts)
-        """For layers that do not fit the staging area."""
         self._deferred: list[_DeferredSave] = []
         # The batched put of staged blocks, and what must follow it, in a thread of its own
         # at a lower priority (``LayerwiseOffloadConfig.flush_nice``).
@@ -248,11 +227,12 @@ class StagedSaver:
         elif (offset := self.staging.reserve(len(blocks) * buffer.block_bytes)) is not None:
             self._stage_layer(buffer, blocks, offset)
         else:
-            self._parts.recorder.staging_fell_back()
-            self._direct.save_layer(buffer, blocks)
+            self._parts.recorder.add(staging_fallbacks=1)
+            super().save_layer(buffer, blocks)
 
     def finish_step(self) -> None:
-        self._direct.finish_step()
+        """The forward is over: the step's staged and held blocks go to the flush thread."""
+        super().finish_step()
         if not self._deferred:
             return
         batch = self._batch_deferred()
@@ -277,8 +257,8 @@ class StagedSaver:
         return False
 
     def wait_for_puts(self) -> None:
-        """Wait until the last step's staged blocks are in the store (or their keys are
-        poisoned and removed); then the staging area is free again."""
+        """The last step's staged blocks are in the store (or their keys are poisoned and
+        removed); then the staging area is free again."""
         flush, self._flush = self._flush, None
         if flush is None:
             return
@@ -292,7 +272,7 @@ class StagedSaver:
         if poisoned:
             self._parts.failures.remove_poisoned_now()
         self.staging.reset()
-        self._parts.recorder.waited_for_flush(time.perf_counter() - started)
+        self._parts.recorder.add(flush_wait_seconds=time.perf_counter() - started)
 
     def after_puts(self, action: Callable[[], None]) -> None:
         if self._flush is not None and not self._flush.future.done():
@@ -301,7 +281,7 @@ class StagedSaver:
             action()
 
     def close(self) -> None:
-        self._direct.close()
+        super().close()
         self._flusher.shutdown(wait=True, cancel_futures=True)
 
     # -- on the forward's thread ----------------------------------------------------------
@@ -422,7 +402,7 @@ class StagedSaver:
                            on_error=lambda error: parts.failures.staged_put_failed(
                                batch.keys, batch.blocks, error))
         if stored:
-            parts.recorder.saved(batch.blocks, batch.bytes_by_part, staged_put=True,
+            parts.recorder.saved(batch.blocks, batch.bytes_by_part, staged_puts=1,
                                  flush_seconds=time.perf_counter() - started)
         return bool(stored)
 
@@ -437,7 +417,7 @@ class StagedSaver:
 
 
 def make_saver(parts: SaverParts, buffers: LayerBuffers, *, staging_bytes: int,
-               flush_nice: int) -> LayerSaver:
+               flush_nice: int) -> DirectSaver:
     """The saver for these settings: staged when there is a staging area."""
     if staging_bytes:
         return StagedSaver(parts, buffers, staging_bytes=staging_bytes, flush_nice=flush_nice)

@@ -15,28 +15,10 @@ before its predecessor in the forward returns. Hence:
   prefetching the next ones;
 - readying a layer = wait on its slot gate (the previous occupant's save), then load the
   blocks the scheduler listed into the slot;
-- ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them.
-  With a staging area (``staging``) a save is a copy into registered host memory, on the
-  forward's thread, that releases the slot at once; ``finish_step`` hands the step's staged
-  blocks to the saver as one batched put and returns, and the next step waits for that put
-  before anything writes a buffer (``handle_preemptions``, then ``start_step``). The last
-  layer of each buffer is not copied: the batched put reads it from the buffer, whose slot
-  is closed at the step's end until the put ends (nothing in the step overwrites it). The
-  keys and addresses of staged and held layers are built at the step's end too, in one
-  loop, not in each layer's hook.
+- ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them
+  (with a staging area, hands them to one batched put that the next step waits for: ``savers``).
 
-A get that raises (e.g. Mooncake's LEASE_EXPIRED under load) is retried ``LOAD_ATTEMPTS``
-times. A load that still fails is reported as invalid blocks: vLLM then drops the affected
-requests' output of this step and recomputes them from their first failed block, or fails them,
-as ``kv_load_failure_policy`` says. The step's forward still runs over the failed layer's buffer
-(for a shared layer it holds another layer's KV), so from that layer on the affected requests'
-KV is wrong: their saves for those layers are dropped and the keys poisoned (removed, never
-loaded), so neither another request nor a later step loads wrong or outdated KV from the store.
-A failed save poisons its keys the same way. A step that poisoned keys ends (``finish_step``)
-only once they are gone from the store (at most ``layer_deadline_s``): the scheduler's next
-prefix lookup must not promise them to another request, whose load would fail. A removal that
-takes longer still never lands after a later save of the same key (``poisoned_keys``): it
-would delete the fresh value and fail the next request that loads it.
+A failed load or save: ``failures``.
 """
 
 from __future__ import annotations
@@ -55,12 +37,11 @@ from kvo_vllm.layerwise.errors import PipelineError
 from kvo_vllm.layerwise.failures import FailurePolicy
 from kvo_vllm.layerwise.keys import REQUEST_BLOCK_MARK, StoreKeys
 from kvo_vllm.layerwise.layout import LayerLayout
-from kvo_vllm.layerwise.loader import LayerLoader, LoadHook
+from kvo_vllm.layerwise.loader import LayerLoader
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys
-from kvo_vllm.layerwise.savers import LayerSaver, SaverParts, make_saver
+from kvo_vllm.layerwise.savers import DirectSaver, SaverParts, make_saver
 from kvo_vllm.layerwise.slot_rounds import SlotRounds
-from kvo_vllm.layerwise.staging import SaveStaging
 from kvo_vllm.layerwise.worker_stats import LayerwiseStats, StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -69,12 +50,12 @@ _block_id = operator.attrgetter("block_id")
 
 
 @attrs.frozen
-class _Registered:
+class Registered:
     """What exists once the caches are registered."""
 
     buffers: LayerBuffers
     loader: LayerLoader
-    saver: LayerSaver
+    saver: DirectSaver
     memory: tuple[int, ...]
     """Start addresses registered with the store."""
 
@@ -106,7 +87,7 @@ class LayerwiseWorker:
         self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys))
         self.failures = FailurePolicy(poisoned=self.poisoned, recorder=self.recorder,
                                       keys=keys, deadline_s=layer_deadline_s)
-        self._registered: _Registered | None = None
+        self._registered: Registered | None = None
         self._request_blocks: dict[str, set[str]] = {}
         self._step_active = False
         """A step with work is between ``start_step`` and ``finish_step``."""
@@ -131,7 +112,7 @@ class LayerwiseWorker:
                              poisoned=self.poisoned, rounds=self.rounds,
                              recorder=self.recorder, prefetch_depth=self._prefetch_depth,
                              deadline_s=self.layer_deadline_s)
-        self._registered = _Registered(buffers=buffers, loader=loader, saver=saver,
+        self._registered = Registered(buffers=buffers, loader=loader, saver=saver,
                                        memory=tuple(memory))
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
                     self.layout.describe(), self.layout.physical_bytes,
@@ -139,56 +120,31 @@ class LayerwiseWorker:
                     self.layout.physical_bytes / self.layout.logical_bytes)
 
     @property
-    def _parts(self) -> _Registered:
+    def registered(self) -> Registered:
         if self._registered is None:
             raise PipelineError("register_kv_caches must run before the first step")
         return self._registered
 
     @property
-    def buffers(self) -> LayerBuffers:
-        return self._parts.buffers
-
-    @property
-    def loader(self) -> LayerLoader:
-        return self._parts.loader
-
-    @property
-    def saver(self) -> LayerSaver:
-        return self._parts.saver
-
-    @property
-    def staging(self) -> SaveStaging | None:
-        """The save staging area, or None (saves put from the buffers)."""
-        return None if self._registered is None else self._registered.saver.staging
-
-    @property
     def stats(self) -> LayerwiseStats:
         return self.recorder.stats
 
-    @property
-    def load_hook(self) -> LoadHook | None:
-        return self.loader.load_hook
-
-    @load_hook.setter
-    def load_hook(self, hook: LoadHook | None) -> None:
-        self.loader.load_hook = hook
-
     def slot_key(self, cache_name: str) -> SlotKey:
         """The slot of the layer owning ``cache_name`` (a layer's main KV or indexer cache)."""
-        return self.buffers.slot_key(cache_name)
+        return self.registered.buffers.slot_key(cache_name)
 
     # -- one step -----------------------------------------------------------------------
 
     def start_step(self, meta: LayerwiseMetadata) -> None:
         """Begin a step: ready the first layer and prefetch the following ones."""
-        parts = self._parts
+        parts = self.registered
         self.rounds.new_step()  # parts announced for an earlier step never join this one's
         self._step_active = meta.has_work
         self.failures.start_step(meta)
         if not meta.has_work:
             return
         parts.saver.wait_for_puts()
-        self.recorder.step_started()
+        self.recorder.add(steps=1)
         parts.loader.start_step(meta.loads(shared_layer=True), meta.loads(shared_layer=False))
         # In block order: vLLM frees a request's blocks last first, so a later prompt often
         # gets them in descending order; sorted, they are a few runs to copy and address
@@ -205,8 +161,8 @@ class LayerwiseWorker:
 
     def before_attention(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
-        if not self._step_active or layer_name in self.loader.ready or (
-                layer_name not in self.buffers.position):
+        if not self._step_active or layer_name in self.registered.loader.ready or (
+                layer_name not in self.registered.buffers.position):
             return
         raise PipelineError(
             f"layer {layer_name!r} reached attention before its buffer was made ready; "
@@ -216,7 +172,7 @@ class LayerwiseWorker:
         """``save_kv_layer``: save this layer, then ready the next one."""
         if not self._step_active:
             return
-        parts = self._parts
+        parts = self.registered
         position = parts.buffers.position.get(layer_name)
         if position is None:
             return
@@ -267,11 +223,11 @@ class LayerwiseWorker:
             names |= self._request_blocks.pop(request_id, set())
         if names:
             refs = [BlockRef(block_id=0, name=name) for name in sorted(names)]
-            keys = [key for buffer in self.buffers.in_order
+            keys = [key for buffer in self.registered.buffers.in_order
                     for key in buffer.keys(self.keys, refs)]
             # After the staged put of these keys: removing first would leave them stored
             # (and the put's begin_save would cancel a removal not yet started).
-            self.saver.after_puts(lambda: self.poisoned.remove_later(keys))
+            self.registered.saver.after_puts(lambda: self.poisoned.remove_later(keys))
 
     def close(self) -> None:
         registered, self._registered = self._registered, None

@@ -97,66 +97,38 @@ class StatsRecorder:
         """The forward thread's counters of the running step (``fold_step``)."""
         self._lock = threading.Lock()
 
+    def add(self, **amounts: float) -> None:
+        """Add to the named counters (``LayerwiseStats`` fields)."""
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + amount)
+
     def fold_step(self) -> None:
         """Add the step's forward-thread counters to ``stats``."""
         counts, self.step = self.step, StepCounts()
-        with self._lock:
-            self.stats.ready_wait_seconds += counts.ready_wait_seconds
-            self.stats.staged_bytes += counts.staged_bytes
-            self.stats.stage_seconds += counts.stage_seconds
-            self.stats.held_bytes += counts.held_bytes
-
-    def step_started(self) -> None:
-        with self._lock:
-            self.stats.steps += 1
+        self.add(**attrs.asdict(counts))
 
     def loaded(self, buffer: LayerBuffer, *, loaded: int, failed: int, missing: int,
                seconds: float) -> None:
         """A layer's load ended: ``loaded`` blocks in, ``failed`` not (``missing`` of them
         absent from the store)."""
+        moved = bytes_by_part(buffer, loaded)
         with self._lock:
             stats = self.stats
             stats.loaded_blocks += loaded
             layer = buffer.layer.index
             stats.loaded_blocks_by_layer[layer] = (
                 stats.loaded_blocks_by_layer.get(layer, 0) + loaded)
-            moved = bytes_by_part(buffer, loaded)
             stats.loaded_bytes += sum(moved.values())
             _add_by_part(stats.loaded_bytes_by_part, moved)
             stats.failed_loads += failed
             stats.missing_blocks += missing
             stats.load_seconds += seconds
 
-    def saved(self, blocks: int, moved: Mapping[str, int], *, save_seconds: float = 0.0,
-              flush_seconds: float = 0.0, staged_put: bool = False) -> None:
-        """A put stored ``blocks`` blocks (``moved``: their bytes by part): a layer's direct
-        put (``save_seconds``) or a step's batched put (``flush_seconds``)."""
+    def saved(self, blocks: int, moved: Mapping[str, int], **times: float) -> None:
+        """A put stored ``blocks`` blocks (``moved``: their bytes by part); ``times``: what to
+        add to ``save_seconds`` (a layer's direct put) or ``flush_seconds`` and
+        ``staged_puts`` (a step's batched put)."""
+        self.add(saved_blocks=blocks, saved_bytes=sum(moved.values()), **times)
         with self._lock:
-            stats = self.stats
-            stats.staged_puts += staged_put
-            stats.saved_blocks += blocks
-            stats.saved_bytes += sum(moved.values())
-            _add_by_part(stats.saved_bytes_by_part, moved)
-            stats.save_seconds += save_seconds
-            stats.flush_seconds += flush_seconds
-
-    def save_failed(self, blocks: int, *, staged_put: bool = False) -> None:
-        with self._lock:
-            self.stats.staged_puts += staged_put
-            self.stats.failed_saves += blocks
-
-    def poisoned(self, keys: int) -> None:
-        with self._lock:
-            self.stats.poisoned_keys += keys
-
-    def staging_fell_back(self) -> None:
-        with self._lock:
-            self.stats.staging_fallbacks += 1
-
-    def waited_at_step_end(self, seconds: float) -> None:
-        with self._lock:
-            self.stats.step_end_wait_seconds += seconds
-
-    def waited_for_flush(self, seconds: float) -> None:
-        with self._lock:
-            self.stats.flush_wait_seconds += seconds
+            _add_by_part(self.stats.saved_bytes_by_part, moved)
