@@ -60,10 +60,6 @@ class LayerBuffer:
         return [keys.key(ref.name, self.layer.index, part.planned.part)
                 for part in self.parts for ref in refs]
 
-    def keys_with(self, prefixes: list[str]) -> list[str]:
-        """``keys`` from the blocks' ``StoreKeys.block_prefix``es (the per-layer save path)."""
-        return [prefix + suffix for suffix in self.suffixes for prefix in prefixes]
-
     def locations(self, refs: list[BlockRef]) -> tuple[list[int], list[int]]:
         """(addresses, sizes) of ``refs`` in every part, part by part (the order of ``keys``)."""
         ids = [ref.block_id for ref in refs]
@@ -110,8 +106,8 @@ class BlockSet:
                    runs=block_runs([ref.block_id for ref in refs]))
 
     def keys_in(self, buffer: LayerBuffer) -> list[str]:
-        """The store keys of these blocks in ``buffer``'s layer, part by part."""
-        return buffer.keys_with(self.prefixes)
+        """``LayerBuffer.keys`` of these blocks, from their prefixes (the per-layer save path)."""
+        return [prefix + suffix for suffix in buffer.suffixes for prefix in self.prefixes]
 
     def __len__(self) -> int:
         return len(self.refs)

@@ -126,18 +126,19 @@ class PendingPuts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._futures: dict[int, list[Future[Any]]] = {}
+        self._futures: dict[object, list[Future[Any]]] = {}
+        """Per store client (the object itself: an ``id`` could name a later client)."""
 
     def add(self, store: Any, future: Future[Any]) -> None:
         with self._lock:
-            self._futures.setdefault(id(store), []).append(future)
+            self._futures.setdefault(store, []).append(future)
         future.add_done_callback(lambda done: self._drop(store, done))
 
     def wait(self, store: Any, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for ``store``'s pending batches; errors are the
         saver's to handle (it poisons the keys)."""
         with self._lock:
-            futures = list(self._futures.get(id(store), ()))
+            futures = list(self._futures.get(store, ()))
         for future in futures:
             try:
                 future.result(timeout=timeout_s)
@@ -146,11 +147,11 @@ class PendingPuts:
 
     def _drop(self, store: Any, future: Future[Any]) -> None:
         with self._lock:
-            futures = self._futures.get(id(store), [])
+            futures = self._futures.get(store, [])
             if future in futures:
                 futures.remove(future)
             if not futures:
-                self._futures.pop(id(store), None)
+                self._futures.pop(store, None)
 
 
 PENDING_PUTS = PendingPuts()
