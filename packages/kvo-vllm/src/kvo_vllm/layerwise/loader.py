@@ -9,15 +9,11 @@ import ctypes
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from kvo_vllm.layerwise.buffers import LayerBuffer, LayerBuffers
 from kvo_vllm.layerwise.errors import PipelineError
-from kvo_vllm.layerwise.keys import StoreKeys
 from kvo_vllm.layerwise.metadata import BlockRef
-from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys
-from kvo_vllm.layerwise.slot_rounds import SlotRounds
-from kvo_vllm.layerwise.worker_stats import StatsRecorder
+from kvo_vllm.layerwise.pipeline_parts import PipelineParts
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +24,10 @@ LOAD_ATTEMPTS = 3
 class LayerLoader:
     """Makes layers ready in forward order, one step at a time."""
 
-    def __init__(self, *, buffers: LayerBuffers, store: Any, keys: StoreKeys,
-                 poisoned: PoisonedKeys, rounds: SlotRounds, recorder: StatsRecorder,
-                 prefetch_depth: int, deadline_s: float) -> None:
+    def __init__(self, parts: PipelineParts, buffers: LayerBuffers, prefetch_depth: int) -> None:
+        self._parts = parts
         self._buffers = buffers
-        self._store = store
-        self._keys = keys
-        self._poisoned = poisoned
-        self._rounds = rounds
-        self._recorder = recorder
         self._prefetch_depth = prefetch_depth
-        self._deadline_s = deadline_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-load")
         self._loads: dict[bool, list[BlockRef]] = {True: [], False: []}
         """The step's blocks to load, for shared layers (True) and layers owning a buffer."""
@@ -75,23 +64,23 @@ class LayerLoader:
         buffer = self._buffers.in_order[position]
         name = buffer.layer.name
         future = self._pending.pop(name, None) if self._pending else None
-        if future is None and self._rounds.is_quiet(buffer.slot):
+        if future is None and self._parts.rounds.is_quiet(buffer.slot):
             # Nothing to load (see prefetch_from) and the slot is free: the common cold
             # layer, made ready with no wait and no clock read.
             self.ready.add(name)
             return []
         started = time.perf_counter()
         if future is None:  # nothing to load: wait for the slot
-            self._rounds.wait_free(buffer)
+            self._parts.rounds.wait_free(buffer)
             failed: list[int] = []
         else:
             try:
-                failed = future.result(timeout=2 * self._deadline_s)
+                failed = future.result(timeout=2 * self._parts.deadline_s)
             except TimeoutError as error:
                 raise PipelineError(
-                    f"layer {name!r} was not ready within {2 * self._deadline_s:g} s "
+                    f"layer {name!r} was not ready within {2 * self._parts.deadline_s:g} s "
                     f"(slot release or store load hung)") from error
-        self._recorder.step.ready_wait_seconds += time.perf_counter() - started
+        self._parts.recorder.step.ready_wait_seconds += time.perf_counter() - started
         self.ready.add(name)
         return failed
 
@@ -108,19 +97,19 @@ class LayerLoader:
         A block is loaded only when all its parts are: one part missing (or poisoned) fails
         the block, and vLLM recomputes it.
         """
-        self._rounds.wait_free(buffer)
+        self._parts.rounds.wait_free(buffer)
         refs = self.loads_of(buffer)
         if not refs:
             return []
         started = time.perf_counter()
-        keys = buffer.keys(self._keys, refs)
+        keys = buffer.keys(self._parts.keys, refs)
         addrs, sizes = buffer.locations(refs)
         # Two requests with one prefix load the same key into two device blocks. Each key is
         # read from the store once (a batched get does not fill two destinations of one key:
         # measured with Mooncake) and copied to its other blocks on the device.
         first_of: dict[str, int] = {}
         copies: list[tuple[int, int]] = []
-        poisoned = self._poisoned.poisoned_among(keys)
+        poisoned = self._parts.poisoned.poisoned_among(keys)
         for i, key in enumerate(keys):
             if key in poisoned:
                 continue
@@ -161,7 +150,7 @@ class LayerLoader:
             logger.warning("kvo layerwise: layer %s: %d of %d blocks missing from the store "
                            "(%d keys, e.g. %s)", buffer.layer.name, len(failed), len(refs),
                            len(lost), lost[:2])
-        self._recorder.loaded(buffer, loaded=len(loaded), failed=len(failed),
+        self._parts.recorder.loaded(buffer, loaded=len(loaded), failed=len(failed),
                               missing=len({i % count for i in absent}),
                               seconds=time.perf_counter() - started)
         return failed
@@ -174,7 +163,7 @@ class LayerLoader:
         """
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             try:
-                return list(self._store.get_into(keys, addrs, sizes))
+                return list(self._parts.store.get_into(keys, addrs, sizes))
             except Exception as error:
                 if attempt == LOAD_ATTEMPTS:
                     logger.error("kvo layerwise: loading layer %s failed after %d tries: %s",

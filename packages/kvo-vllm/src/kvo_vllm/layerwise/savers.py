@@ -24,53 +24,42 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import attrs
 
 from kvo_vllm.layerwise.buffers import BlockSet, LayerBuffer, LayerBuffers
 from kvo_vllm.layerwise.errors import PipelineError
-from kvo_vllm.layerwise.failures import FailurePolicy
-from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys, RemovalStillRunningError
-from kvo_vllm.layerwise.slot_rounds import SaveRound, SlotRounds
+from kvo_vllm.layerwise.pipeline_parts import PipelineParts
+from kvo_vllm.layerwise.poisoned_keys import RemovalStillRunningError
+from kvo_vllm.layerwise.slot_rounds import SaveRound
 from kvo_vllm.layerwise.staging import PENDING_PUTS, SaveStaging
-from kvo_vllm.layerwise.worker_stats import StatsRecorder, bytes_by_part
+from kvo_vllm.layerwise.worker_stats import bytes_by_part
 
 logger = logging.getLogger(__name__)
 
 
-@attrs.frozen
-class SaverParts:
-    """What both savers work with."""
-
-    store: Any
-    rounds: SlotRounds
-    failures: FailurePolicy
-    poisoned: PoisonedKeys
-    recorder: StatsRecorder
-    deadline_s: float
-
-    def put(self, keys: list[str], addrs: list[int], sizes: list[int], *,
-            confirm: Callable[[], bool], on_error: Callable[[Exception], None]) -> bool | None:
-        """Put ``keys`` ordered against their removals; True when stored and ``confirm``ed,
-        False when ``confirm`` says the source may have changed during the put (torn), None
-        when it failed (``on_error`` ran, before the removals waiting on the put resume)."""
-        try:
-            ticket = self.poisoned.begin_save(keys, self.deadline_s)
-        except RemovalStillRunningError as error:
-            on_error(error)
-            return None
-        stored = False
-        try:
-            if keys:
-                self.store.put_from(keys, addrs, sizes)
-            stored = confirm()
-        except Exception as error:
-            on_error(error)
-            return None
-        finally:
-            self.poisoned.end_save(ticket, stored=stored)
-        return stored
+def _guarded_put(parts: PipelineParts, keys: list[str], addrs: list[int], sizes: list[int],
+                 *, confirm: Callable[[], bool],
+                 on_error: Callable[[Exception], None]) -> bool | None:
+    """Put ``keys`` ordered against their removals; True when stored and ``confirm``ed, False
+    when ``confirm`` says the source may have changed during the put (torn), None when it
+    failed (``on_error`` ran, before the removals waiting on the put resume)."""
+    try:
+        ticket = parts.poisoned.begin_save(keys, parts.deadline_s)
+    except RemovalStillRunningError as error:
+        on_error(error)
+        return None
+    stored = False
+    try:
+        if keys:
+            parts.store.put_from(keys, addrs, sizes)
+        stored = confirm()
+    except Exception as error:
+        on_error(error)
+        return None
+    finally:
+        parts.poisoned.end_save(ticket, stored=stored)
+    return stored
 
 
 def _confirmed() -> bool:
@@ -83,7 +72,7 @@ class DirectSaver:
     staging: SaveStaging | None = None
     """The staging area (``StagedSaver``), or None."""
 
-    def __init__(self, parts: SaverParts) -> None:
+    def __init__(self, parts: PipelineParts) -> None:
         self._parts = parts
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvo-lw-save")
         self._futures: list[Future[None]] = []
@@ -127,8 +116,8 @@ class DirectSaver:
             parts.rounds.failed(save, error)
 
         # False: the slot was given up on (deadline) and may have been overwritten mid-save.
-        stored = parts.put(keys, addrs, sizes, confirm=lambda: parts.rounds.done(save),
-                           on_error=failed)
+        stored = _guarded_put(parts, keys, addrs, sizes,
+                              confirm=lambda: parts.rounds.done(save), on_error=failed)
         if stored is False:
             parts.failures.poison(keys)
         elif stored:
@@ -206,7 +195,7 @@ class StagedSaver(DirectSaver):
     """Layers copied to a staging area (or held in place) and put in one batch after the
     step; saved directly when they do not fit (module docstring)."""
 
-    def __init__(self, parts: SaverParts, buffers: LayerBuffers, *, staging_bytes: int,
+    def __init__(self, parts: PipelineParts, buffers: LayerBuffers, *, staging_bytes: int,
                  flush_nice: int) -> None:
         super().__init__(parts)
         self.staging: SaveStaging = SaveStaging(staging_bytes,
@@ -398,9 +387,9 @@ class StagedSaver(DirectSaver):
         """The batched put itself; whether it stored (else its keys are poisoned)."""
         parts = self._parts
         started = time.perf_counter()
-        stored = parts.put(batch.keys, batch.addrs, batch.sizes, confirm=_confirmed,
-                           on_error=lambda error: parts.failures.staged_put_failed(
-                               batch.keys, batch.blocks, error))
+        stored = _guarded_put(parts, batch.keys, batch.addrs, batch.sizes, confirm=_confirmed,
+                              on_error=lambda error: parts.failures.staged_put_failed(
+                                  batch.keys, batch.blocks, error))
         if stored:
             parts.recorder.saved(batch.blocks, batch.bytes_by_part, staged_puts=1,
                                  flush_seconds=time.perf_counter() - started)
@@ -416,7 +405,7 @@ class StagedSaver(DirectSaver):
         return torn
 
 
-def make_saver(parts: SaverParts, buffers: LayerBuffers, *, staging_bytes: int,
+def make_saver(parts: PipelineParts, buffers: LayerBuffers, *, staging_bytes: int,
                flush_nice: int) -> DirectSaver:
     """The saver for these settings: staged when there is a staging area."""
     if staging_bytes:

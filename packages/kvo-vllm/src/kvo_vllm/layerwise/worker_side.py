@@ -39,8 +39,9 @@ from kvo_vllm.layerwise.keys import REQUEST_BLOCK_MARK, StoreKeys
 from kvo_vllm.layerwise.layout import LayerLayout
 from kvo_vllm.layerwise.loader import LayerLoader
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata
+from kvo_vllm.layerwise.pipeline_parts import PipelineParts
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys
-from kvo_vllm.layerwise.savers import DirectSaver, SaverParts, make_saver
+from kvo_vllm.layerwise.savers import DirectSaver, make_saver
 from kvo_vllm.layerwise.slot_rounds import SlotRounds
 from kvo_vllm.layerwise.worker_stats import LayerwiseStats, StatsRecorder
 
@@ -69,24 +70,24 @@ class LayerwiseWorker:
                  prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0,
                  flush_nice: int = 0, saves_blocks: bool = True) -> None:
         self.layout = layout
-        self.keys = keys
         self.store = store
         self.saves_blocks = saves_blocks
         """False on a TP rank other than 0 when the KV is replicated across TP ranks (MLA):
         rank 0 saves every block once under keys all ranks share; this rank only loads them
         (and removes nothing: the request-private keys are rank 0's too)."""
-        self.layer_deadline_s = layer_deadline_s
         self._prefetch_depth = prefetch_depth
         self._staging_bytes = staging_bytes
         self._flush_nice = flush_nice
         self.gates = SlotGates()
-        self.rounds = SlotRounds(self.gates, layer_deadline_s)
-        self.recorder = StatsRecorder()
+        recorder = StatsRecorder()
         # Removals run in the background (they may wait out a store read lease) but never
         # land after a later save of the same key (poisoned_keys.py).
         self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys))
-        self.failures = FailurePolicy(poisoned=self.poisoned, recorder=self.recorder,
-                                      keys=keys, deadline_s=layer_deadline_s)
+        self.parts = PipelineParts(
+            store=store, keys=keys, rounds=SlotRounds(self.gates, layer_deadline_s),
+            poisoned=self.poisoned, recorder=recorder, deadline_s=layer_deadline_s,
+            failures=FailurePolicy(poisoned=self.poisoned, recorder=recorder, keys=keys,
+                                   deadline_s=layer_deadline_s))
         self._registered: Registered | None = None
         self._request_blocks: dict[str, set[str]] = {}
         self._step_active = False
@@ -100,20 +101,14 @@ class LayerwiseWorker:
         buffers = LayerBuffers(self.layout, kv_caches)
         self.store.register(buffers.start, self.layout.physical_bytes)
         memory = [buffers.start]
-        saver = make_saver(
-            SaverParts(store=self.store, rounds=self.rounds, failures=self.failures,
-                       poisoned=self.poisoned, recorder=self.recorder,
-                       deadline_s=self.layer_deadline_s),
-            buffers, staging_bytes=self._staging_bytes, flush_nice=self._flush_nice)
+        saver = make_saver(self.parts, buffers, staging_bytes=self._staging_bytes,
+                           flush_nice=self._flush_nice)
         if saver.staging is not None:
             self.store.register(saver.staging.pointer, saver.staging.capacity)
             memory.append(saver.staging.pointer)
-        loader = LayerLoader(buffers=buffers, store=self.store, keys=self.keys,
-                             poisoned=self.poisoned, rounds=self.rounds,
-                             recorder=self.recorder, prefetch_depth=self._prefetch_depth,
-                             deadline_s=self.layer_deadline_s)
-        self._registered = Registered(buffers=buffers, loader=loader, saver=saver,
-                                       memory=tuple(memory))
+        self._registered = Registered(
+            buffers=buffers, loader=LayerLoader(self.parts, buffers, self._prefetch_depth),
+            saver=saver, memory=tuple(memory))
         logger.info("kvo layerwise: %s; device KV %d of %d bytes (ratio %.3f)",
                     self.layout.describe(), self.layout.physical_bytes,
                     self.layout.logical_bytes,
@@ -127,7 +122,7 @@ class LayerwiseWorker:
 
     @property
     def stats(self) -> LayerwiseStats:
-        return self.recorder.stats
+        return self.parts.recorder.stats
 
     def slot_key(self, cache_name: str) -> SlotKey:
         """The slot of the layer owning ``cache_name`` (a layer's main KV or indexer cache)."""
@@ -138,20 +133,20 @@ class LayerwiseWorker:
     def start_step(self, meta: LayerwiseMetadata) -> None:
         """Begin a step: ready the first layer and prefetch the following ones."""
         parts = self.registered
-        self.rounds.new_step()  # parts announced for an earlier step never join this one's
+        self.parts.rounds.new_step()  # parts announced for an earlier step never join this one's
         self._step_active = meta.has_work
-        self.failures.start_step(meta)
+        self.parts.failures.start_step(meta)
         if not meta.has_work:
             return
         parts.saver.wait_for_puts()
-        self.recorder.add(steps=1)
+        self.parts.recorder.add(steps=1)
         parts.loader.start_step(meta.loads(shared_layer=True), meta.loads(shared_layer=False))
         # In block order: vLLM frees a request's blocks last first, so a later prompt often
         # gets them in descending order; sorted, they are a few runs to copy and address
         # (a copy and a range per run) instead of one per block (the order of a batched put
         # does not matter to the store).
         saves = sorted(meta.saves(), key=_block_id) if self.saves_blocks else []
-        self._saves = BlockSet.of(saves, self.keys)
+        self._saves = BlockSet.of(saves, self.parts.keys)
         for request in meta.requests if self.saves_blocks else ():
             names = {name for ref in request.save
                      if (name := ref.name).startswith(REQUEST_BLOCK_MARK)}
@@ -177,8 +172,8 @@ class LayerwiseWorker:
         if position is None:
             return
         buffer = parts.buffers.in_order[position]
-        saves = (self.failures.trusted_saves(buffer, self._saves)
-                 if self.failures.any_load_failed else self._saves)
+        saves = (self.parts.failures.trusted_saves(buffer, self._saves)
+                 if self.parts.failures.any_load_failed else self._saves)
         parts.saver.save_layer(buffer, saves)
         if position + 1 < len(parts.buffers.in_order):
             self._ready_layer(parts.loader, position + 1)
@@ -187,7 +182,7 @@ class LayerwiseWorker:
         loader.prefetch_from(position)
         failed = loader.make_ready(position)
         if failed:
-            self.failures.loads_failed(failed)
+            self.parts.failures.loads_failed(failed)
 
     def finish_step(self) -> None:
         """``wait_for_save``: every save of the step is done (the next step loads them), or
@@ -195,8 +190,8 @@ class LayerwiseWorker:
         if self._registered is not None:
             self._registered.saver.finish_step()
         self._step_active = False
-        self.recorder.fold_step()
-        self.failures.end_step()
+        self.parts.recorder.fold_step()
+        self.parts.failures.end_step()
 
     def staged_put_pending(self) -> bool:
         """Whether the last step's batched put is still running (``put_progress``)."""
@@ -210,11 +205,11 @@ class LayerwiseWorker:
 
     def requests_with_failed_loads(self) -> set[str]:
         """Requests of this step that lost a load so far (``FailurePolicy``)."""
-        return self.failures.requests_with_failed_loads()
+        return self.parts.failures.requests_with_failed_loads()
 
     def take_load_errors(self) -> set[int]:
         """The step's failed block ids (``FailurePolicy.take_load_errors``)."""
-        return self.failures.take_load_errors()
+        return self.parts.failures.take_load_errors()
 
     def forget_requests(self, request_ids: Iterable[str]) -> None:
         """Remove finished requests' private blocks from the store (in the background)."""
@@ -224,7 +219,7 @@ class LayerwiseWorker:
         if names:
             refs = [BlockRef(block_id=0, name=name) for name in sorted(names)]
             keys = [key for buffer in self.registered.buffers.in_order
-                    for key in buffer.keys(self.keys, refs)]
+                    for key in buffer.keys(self.parts.keys, refs)]
             # After the staged put of these keys: removing first would leave them stored
             # (and the put's begin_save would cancel a removal not yet started).
             self.registered.saver.after_puts(lambda: self.poisoned.remove_later(keys))
