@@ -120,27 +120,27 @@ class LayerwiseWorker:
             raise PipelineError("register_kv_caches must run before the first step")
         return self._registered
 
-    @property
-    def stats(self) -> LayerwiseStats:
-        return self.parts.recorder.stats
-
     def slot_key(self, cache_name: str) -> SlotKey:
         """The slot of the layer owning ``cache_name`` (a layer's main KV or indexer cache)."""
         return self.registered.buffers.slot_key(cache_name)
+
+    @property
+    def stats(self) -> LayerwiseStats:
+        return self.parts.recorder.stats
 
     # -- one step -----------------------------------------------------------------------
 
     def start_step(self, meta: LayerwiseMetadata) -> None:
         """Begin a step: ready the first layer and prefetch the following ones."""
-        parts = self.registered
-        self.parts.rounds.new_step()  # parts announced for an earlier step never join this one's
+        registered = self.registered
+        self.parts.rounds.new_step()  # announcements of earlier steps never join this one
         self._step_active = meta.has_work
         self.parts.failures.start_step(meta)
         if not meta.has_work:
             return
-        parts.saver.wait_for_puts()
+        registered.saver.wait_for_puts()
         self.parts.recorder.add(steps=1)
-        parts.loader.start_step(meta.loads(shared_layer=True), meta.loads(shared_layer=False))
+        registered.loader.start_step(meta.loads(shared_layer=True), meta.loads(shared_layer=False))
         # In block order: vLLM frees a request's blocks last first, so a later prompt often
         # gets them in descending order; sorted, they are a few runs to copy and address
         # (a copy and a range per run) instead of one per block (the order of a batched put
@@ -152,7 +152,7 @@ class LayerwiseWorker:
                      if (name := ref.name).startswith(REQUEST_BLOCK_MARK)}
             if names:
                 self._request_blocks.setdefault(request.request_id, set()).update(names)
-        self._ready_layer(parts.loader, 0)
+        self._ready_layer(registered.loader, 0)
 
     def before_attention(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the layer must already be ready (see module docstring)."""
@@ -167,16 +167,16 @@ class LayerwiseWorker:
         """``save_kv_layer``: save this layer, then ready the next one."""
         if not self._step_active:
             return
-        parts = self.registered
-        position = parts.buffers.position.get(layer_name)
+        registered = self.registered
+        position = registered.buffers.position.get(layer_name)
         if position is None:
             return
-        buffer = parts.buffers.in_order[position]
+        buffer = registered.buffers.in_order[position]
         saves = (self.parts.failures.trusted_saves(buffer, self._saves)
                  if self.parts.failures.any_load_failed else self._saves)
-        parts.saver.save_layer(buffer, saves)
-        if position + 1 < len(parts.buffers.in_order):
-            self._ready_layer(parts.loader, position + 1)
+        registered.saver.save_layer(buffer, saves)
+        if position + 1 < len(registered.buffers.in_order):
+            self._ready_layer(registered.loader, position + 1)
 
     def _ready_layer(self, loader: LayerLoader, position: int) -> None:
         loader.prefetch_from(position)
