@@ -247,7 +247,7 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """With staging: whether this step's counters still miss a running put
         (``put_progress``)."""
-        if self._worker is None or self._worker.registered.saver.staging is None:
+        if self._worker is None or not self.config.save_staging_bytes:
             return None
         return StagedPutsPending(pending=self._put_pending_at_stats)
 
