@@ -53,8 +53,8 @@ from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
 from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.store_client import (
     STORE_OPTIONS_KEY,
+    StoreLease,
     acquire_store,
-    release_store,
     store_options_from,
 )
 from kvo_vllm.layerwise.worker_side import LayerwiseWorker
@@ -140,7 +140,9 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 f"{hash_block_size}")
         namespace = _store_namespace(vllm_config, self.layout)
         engine_id = str(self._kv_transfer_config.engine_id)
-        self._store: Any = acquire_store(self.config, store_options_from(extra))
+        self._store_lease: StoreLease | None = acquire_store(self.config,
+                                                             store_options_from(extra))
+        self._store: Any = self._store_lease.store
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
         self._metric_deltas = CounterDeltas()
@@ -215,9 +217,9 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._store is not None:
-            release_store(self._store)
-            self._store = None
+        if self._store_lease is not None:
+            self._store_lease.release()
+            self._store_lease = self._store = None
 
     # -- for composing connectors and tests ------------------------------------------
 
