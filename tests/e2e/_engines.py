@@ -2,7 +2,8 @@
 
 What every such test file does the same way: the engines' environment, the tiny models' build,
 an engine's common settings, greedy answers with their logprobs, shutdown, comparing answers,
-the layerwise connector's transfer config and Mooncake master, the skip for tests that start
+the layerwise connector's transfer config and Mooncake master, corrupting what its loader
+loads (fault injection from the test, not a hook in the worker), the skip for tests that start
 Mooncake, and module-scoped fixtures made of these. Each file keeps its own model sizes,
 prompts, engine limits and assertions. The files ``import _engines as e2e`` (pytest puts this
 directory on ``sys.path``, as for ``_control_harness`` in kvo-transport's tests).
