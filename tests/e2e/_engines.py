@@ -2,7 +2,8 @@
 
 What every such test file does the same way: the engines' environment, the tiny models' build,
 an engine's common settings, greedy answers with their logprobs, shutdown, comparing answers,
-the layerwise connector's transfer config and Mooncake master, the skip for tests that start
+the layerwise connector's transfer config and Mooncake master, corrupting what its loader
+loads (fault injection from the test, not a hook in the worker), the skip for tests that start
 Mooncake, and module-scoped fixtures made of these. Each file keeps its own model sizes,
 prompts, engine limits and assertions. The files ``import _engines as e2e`` (pytest puts this
 directory on ``sys.path``, as for ``_control_harness`` in kvo-transport's tests).
@@ -165,6 +166,27 @@ def layerwise_worker_connector() -> Any:
     connector = get_kv_transfer_group()
     assert isinstance(connector, LayerwiseStoreConnector)
     return connector
+
+
+@contextlib.contextmanager
+def corrupting_loads(corrupt: Any) -> Iterator[None]:
+    """Fault injection: after each layer's load in this process's layerwise worker, call
+    ``corrupt(cache name, cache, loaded block ids)`` once per cache (main KV, DSA indexer)."""
+    loader = layerwise_worker_connector().worker.registered.loader
+    load = loader.load_layer
+
+    def load_then_corrupt(buffer: Any) -> list[int]:
+        failed = load(buffer)
+        loaded = [ref.block_id for ref in loader.loads_of(buffer) if ref.block_id not in failed]
+        for part in buffer.parts if loaded else ():
+            corrupt(part.planned.cache_name, part.tensor, loaded)
+        return failed
+
+    loader.load_layer = load_then_corrupt  # the loader submits its own ``load_layer``
+    try:
+        yield
+    finally:
+        del loader.load_layer
 
 
 def scheduler_connector(llm: Any) -> Any:

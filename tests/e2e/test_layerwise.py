@@ -159,7 +159,6 @@ def test_corrupted_loaded_block_changes_the_output(kvo: e2e.KvoEngine,
                                                    reference: Reference) -> None:
     import torch
 
-    connector = e2e.layerwise_worker_connector()
     generator = torch.Generator().manual_seed(0)
     corrupted: list[str] = []
 
@@ -168,12 +167,9 @@ def test_corrupted_loaded_block_changes_the_output(kvo: e2e.KvoEngine,
         block.copy_(torch.randn(block.shape, generator=generator, dtype=block.dtype))
         corrupted.append(layer_name)
 
-    connector.set_load_hook(corrupt)
-    try:
+    with e2e.corrupting_loads(corrupt):
         assert kvo.llm.reset_prefix_cache()
         damaged = _generate(kvo.llm)
-    finally:
-        connector.set_load_hook(None)
     assert corrupted
     assert damaged != reference.prefix_hit
     # The damage stayed on the device: the store still holds the right blocks.
@@ -185,7 +181,7 @@ class FailingGets:
     """Makes the worker's next ``count`` store gets raise, as Mooncake does on LEASE_EXPIRED."""
 
     def __init__(self, count: int) -> None:
-        from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS
+        from kvo_vllm.layerwise.loader import LOAD_ATTEMPTS
 
         self.worker = e2e.layerwise_worker_connector().worker
         self.left = count * LOAD_ATTEMPTS  # every retry of ``count`` loads fails too

@@ -173,7 +173,6 @@ def test_prefix_hit_after_reset_loads_both_parts_through_the_store(
 
 def test_corrupted_indexer_block_on_load_changes_the_output(kvo: e2e.KvoEngine,
                                                             reference: Reference) -> None:
-    connector = e2e.layerwise_worker_connector()
     corrupted: list[str] = []
 
     def corrupt(cache_name: str, cache: Any, block_ids: list[int]) -> None:
@@ -184,11 +183,8 @@ def test_corrupted_indexer_block_on_load_changes_the_output(kvo: e2e.KvoEngine,
             corrupted.append(cache_name)
 
     clean = _store_hit(kvo.llm)  # the same chunks and batches as the damaged run
-    connector.set_load_hook(corrupt)
-    try:
+    with e2e.corrupting_loads(corrupt):
         damaged = _store_hit(kvo.llm)
-    finally:
-        connector.set_load_hook(None)
     assert corrupted
     assert e2e.logprob_distance(damaged, clean) > 1e-3  # far beyond rounding: the selection changed
     # The damage stayed on the device: the store still holds the right blocks.

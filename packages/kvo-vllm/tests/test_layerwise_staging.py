@@ -182,7 +182,7 @@ def test_a_finished_requests_blocks_are_removed_after_their_staged_put(staged) -
     forward(worker, caches, step_meta(save=[(1, "q/E/r/0"), (2, "h/ab")]), {1: 1.0, 2: 2.0})
     worker.forget_requests({"r"})  # while the put is still running
     worker.wait_staged_puts()
-    worker._flusher.submit(lambda: None).result()
+    worker.registered.saver._flusher.submit(lambda: None).result()
     worker.poisoned.settle()
     assert set(store.values) == {KEYS.key("h/ab", i) for i in range(6)}
 
@@ -209,16 +209,19 @@ def test_a_running_put_is_pending_until_it_is_counted(staged) -> None:
     assert worker.stats.saved_bytes == 6 * PAGE
 
 
-def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(staged, caplog) -> None:
-    worker, store, caches = staged
-    store.gate = threading.Event()
-    worker.layer_deadline_s = 0.05
-    forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 3.0})
-    worker._flush_started -= 1.0  # the put has now run for more than 2 x 0.05 s
-    assert not worker.staged_put_pending()
-    assert "staged put has run for more than 0.1 s" in caplog.text
-    store.gate.set()
-    PENDING_PUTS.wait(store, 5.0)
+def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(caplog) -> None:
+    store = CountingStore()
+    worker, caches = make_rig(store, staging_bytes=64 * PAGE, layer_deadline_s=0.05)
+    try:
+        store.gate = threading.Event()
+        forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 3.0})
+        worker.registered.saver._flush.started -= 1.0  # the put ran for more than 2 x 0.05 s
+        assert not worker.staged_put_pending()
+        assert "staged put has run for more than 0.1 s" in caplog.text
+        store.gate.set()
+        PENDING_PUTS.wait(store, 5.0)
+    finally:
+        worker.close()
 
 
 def test_a_staged_layer_nothing_else_reads_opens_no_slot_round(staged) -> None:

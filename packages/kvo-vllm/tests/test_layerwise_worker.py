@@ -27,11 +27,13 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvo_core.config import LayerwiseOffloadConfig
+from kvo_vllm.layerwise.errors import PipelineError
 from kvo_vllm.layerwise.keys import StoreKeys
 from kvo_vllm.layerwise.layout import apply_layout, plan_layout
+from kvo_vllm.layerwise.loader import LOAD_ATTEMPTS
 from kvo_vllm.layerwise.metadata import BlockRef, LayerwiseMetadata, RequestTransfers
 from kvo_vllm.layerwise.staging import block_runs
-from kvo_vllm.layerwise.worker_side import LOAD_ATTEMPTS, LayerwiseWorker, PipelineError
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker
 
 NUM_BLOCKS = 4
 SPEC = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32)
@@ -96,8 +98,9 @@ class MemoryStore:
         pass
 
 
-def make_rig(store: MemoryStore, *, staging_bytes: int = 0,
-             flush_nice: int = 0, saves_blocks: bool = True) -> tuple[LayerwiseWorker, dict]:
+def make_rig(store: MemoryStore, *, staging_bytes: int = 0, flush_nice: int = 0,
+             saves_blocks: bool = True, layer_deadline_s: float = 5.0,
+             ) -> tuple[LayerwiseWorker, dict]:
     """A worker over six layers sharing two buffers (layer 0 owns one); its live caches."""
     page = SPEC.page_size_bytes
     config = KVCacheConfig(
@@ -109,7 +112,7 @@ def make_rig(store: MemoryStore, *, staging_bytes: int = 0,
     apply_layout(config, layout)
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
     worker = LayerwiseWorker(layout=layout, keys=KEYS, store=store, prefetch_depth=1,
-                             layer_deadline_s=5.0, staging_bytes=staging_bytes,
+                             layer_deadline_s=layer_deadline_s, staging_bytes=staging_bytes,
                              flush_nice=flush_nice, saves_blocks=saves_blocks)
     worker.register_kv_caches(caches)
     return worker, caches
@@ -196,7 +199,7 @@ def test_a_cold_step_overwrites_a_shared_buffer_only_after_its_save(rig) -> None
         worker.before_attention(name)
         worker.after_attention(name)
     worker.finish_step()
-    assert not worker._pending_loads and worker.stats.loaded_blocks == 0
+    assert not worker.registered.loader.loads_pending and worker.stats.loaded_blocks == 0
     for layer in range(3, 6):  # layer L reuses layer L-2's buffer
         assert KEYS.key("b1", layer - 2) in stored_before_write[layer], layer
     page = caches[NAMES[0]][1].numel()
@@ -229,7 +232,7 @@ def test_a_failed_save_is_never_loaded_later(rig) -> None:
 def test_the_first_layer_must_be_made_ready_before_attention(rig) -> None:
     worker = rig[0]
     # A step with work under way, but its first layer was never made ready.
-    worker._meta, worker._step_active = step_meta(save=[(1, "b1")]), True
+    worker._step_active = True
     with pytest.raises(PipelineError, match="before its buffer was made ready"):
         worker.before_attention(NAMES[0])
 
@@ -383,15 +386,13 @@ def test_dsa_layers_save_and_reload_main_kv_and_indexer_under_part_keys(dsa_rig)
     dsa_forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 10})
     assert set(store.values) == {KEYS.key("b1", i, part) for i in range(3)
                                  for part in ("kv", "idx")}
-    hooked: list[str] = []
-    worker.load_hook = lambda name, cache, blocks: hooked.append(name)
     seen: dict[str, torch.Tensor] = {}
     dsa_forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 20}, seen)
     for i, (attn, keys) in enumerate(zip(DSA_ATTN, DSA_KEYS, strict=True)):
         # Layer 2 took layer 1's slot; both its caches were reloaded from the store.
         assert torch.all(seen[attn][1] == 10.0 + i) and torch.all(seen[keys][1] == 10 + i)
         assert torch.all(seen[attn][2] == 20.0 + i) and torch.all(seen[keys][2] == 20 + i)
-    assert hooked == [DSA_ATTN[1], DSA_KEYS[1], DSA_ATTN[2], DSA_KEYS[2]]
+    assert worker.stats.loaded_blocks_by_layer == {1: 1, 2: 1}  # layer 0 owns its buffer
     main_page, index_page = DSA_MAIN.page_size_bytes, DSA_INDEXER.page_size_bytes
     assert worker.stats.loaded_bytes_by_part == {"kv": 2 * main_page, "idx": 2 * index_page}
     assert worker.stats.saved_bytes_by_part == {"kv": 6 * main_page, "idx": 6 * index_page}
@@ -437,7 +438,7 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
 
     def failing_remote_read(layer_name: str) -> None:
         part = f"remote:{layer_name}"
-        slot = worker._buffers[layer_name].slot
+        slot = worker.slot_key(layer_name)
         worker.gates.announce(slot, part)  # the round takes it when the layer closes
         worker.gates.mark_failed(slot, part, "decode failed to read")  # before it does
 
@@ -446,7 +447,8 @@ def test_a_failed_remote_read_lets_the_slots_own_save_finish_first(rig) -> None:
     store.put_delay = 0.05
     forward(worker, caches, step_meta(shared=[(1, "b1")], save=[(2, "b2")]), {2: 2.0},
             before_save=failing_remote_read)
-    last_round = worker.gates.error(worker._buffers[NAMES[-1]].slot)  # taken, and it failed
+    # The last layer's round took the announced read, and it failed.
+    last_round = worker.gates.error(worker.slot_key(NAMES[-1]))
     assert last_round is not None and "decode failed to read" in last_round
     assert {KEYS.key("b2", i) for i in range(6)} <= set(store.values)  # no save poisoned
     time_of = {(kind, key): t for kind, key, t in store.events}
@@ -460,7 +462,7 @@ def test_a_block_outside_the_cache_has_no_address(rig) -> None:
     """The loader's memmove of a key read once for two blocks writes at these addresses: a
     block id past the cache is refused, not written into another layer's blocks."""
     worker, _, _ = rig
-    part = worker._buffers[NAMES[0]].parts[0]
+    part = worker.registered.buffers.by_name[NAMES[0]].parts[0]
     last = NUM_BLOCKS - 1
     assert part.address(last) == part.pointer + last * part.planned.block_bytes
     with pytest.raises(IndexError, match=f"outside the {NUM_BLOCKS} blocks"):
@@ -474,7 +476,7 @@ def test_block_runs_address_the_same_bytes_as_their_blocks(dsa_rig) -> None:
     in the same order (part by part, blocks in the order given), as block by block; a run
     reaching past the cache is refused."""
     worker = dsa_rig[0]
-    buffer = next(iter(worker._buffers.values()))
+    buffer = worker.registered.buffers.in_order[0]
     assert len(buffer.parts) == 2
     ids = [1, 2, 0, 3]
     refs = [BlockRef(block, f"h/{block}") for block in ids]

@@ -15,7 +15,7 @@ from kvo_core.errors import ConfigError
 from kvo_vllm.dsa import offload_metrics
 from kvo_vllm.dsa.offload_metrics import offload_counters
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats, OffloadTotals
-from kvo_vllm.layerwise.worker_side import LayerwiseStats
+from kvo_vllm.layerwise.worker_stats import LayerwiseStats
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     METRICS,

@@ -53,11 +53,12 @@ from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
 from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.store_client import (
     STORE_OPTIONS_KEY,
+    StoreLease,
     acquire_store,
-    release_store,
     store_options_from,
 )
-from kvo_vllm.layerwise.worker_side import LayerwiseStats, LayerwiseWorker, LoadHook
+from kvo_vllm.layerwise.worker_side import LayerwiseWorker
+from kvo_vllm.layerwise.worker_stats import LayerwiseStats
 from kvo_vllm.metrics import (
     LAYERWISE_METRICS,
     SPARSE_OFFLOAD_METRICS,
@@ -139,7 +140,9 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 f"{hash_block_size}")
         namespace = _store_namespace(vllm_config, self.layout)
         engine_id = str(self._kv_transfer_config.engine_id)
-        self._store: Any = acquire_store(self.config, store_options_from(extra))
+        self._store_lease: StoreLease | None = acquire_store(self.config,
+                                                             store_options_from(extra))
+        self._store: Any = self._store_lease.store
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
         self._metric_deltas = CounterDeltas()
@@ -214,9 +217,9 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._store is not None:
-            release_store(self._store)
-            self._store = None
+        if self._store_lease is not None:
+            self._store_lease.release()
+            self._store_lease = self._store = None
 
     # -- for composing connectors and tests ------------------------------------------
 
@@ -229,10 +232,6 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def slot_key(self, cache_name: str) -> SlotKey:
         """The buffer slot of a layer, by the name of any of its caches."""
         return self.worker.slot_key(cache_name)
-
-    def set_load_hook(self, hook: LoadHook | None) -> None:
-        """Test hook: called with each cache (main KV, indexer) and the block ids just loaded."""
-        self.worker.load_hook = hook
 
     @property
     def stats(self) -> LayerwiseStats:
@@ -250,7 +249,7 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """With staging: whether this step's counters still miss a running put
         (``put_progress``)."""
-        if self._worker is None or self._worker.staging is None:
+        if self._worker is None or not self.config.save_staging_bytes:
             return None
         return StagedPutsPending(pending=self._put_pending_at_stats)
 

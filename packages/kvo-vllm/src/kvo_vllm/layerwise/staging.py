@@ -5,7 +5,7 @@ closed until the store has the bytes (a store put is far slower than a memory co
 pair per layer, all while the forward runs on the same CPUs). With staging, the forward's
 thread copies the layer's new blocks into a registered host area right after its attention
 (memmove speed, no other thread involved) and releases the slot at once; the step's staged
-blocks are then put in one batch after the forward (``LayerwiseWorker.finish_step``), and the
+blocks are then put in one batch after the forward (``savers.StagedSaver``), and the
 next step waits for that batch before it loads anything.
 
 The area is a bump allocator reset between steps (only once the previous batch is in the
@@ -13,7 +13,7 @@ store). A layer that does not fit is saved directly from its buffer, as without 
 
 The last layer of each buffer in the forward is not copied: nothing in the step overwrites it,
 so the batched put reads it from the buffer, whose slot stays closed until the put ends
-(``HeldSlot``). The next step writes the buffer only after waiting for that put.
+(``savers.HeldSlot``). The next step writes the buffer only after waiting for that put.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import attrs
 import torch
 
 from kvo_core.errors import ConfigError
@@ -44,29 +43,6 @@ PARALLEL_COPY_BYTES = 512 << 10
 """Runs at least this long are copied by torch (the forward's OpenMP threads share the work),
 shorter ones by one ``memmove``: the crossover where torch's threads beat one memmove
 (measurements: docs/benchmarks.md, "Measurements behind code choices")."""
-
-
-@attrs.frozen
-class HeldSlot:
-    """A buffer the batched put reads directly: its slot's round ``part`` ends with the put."""
-
-    slot: tuple[int, ...]
-    part: str
-    keys: list[str]
-    """The keys put from it (poisoned if the slot was given up on during the put)."""
-
-
-@attrs.define
-class StagedBatch:
-    """What a step staged: one batched put after the forward."""
-
-    keys: list[str] = attrs.field(factory=list)
-    addrs: list[int] = attrs.field(factory=list)
-    sizes: list[int] = attrs.field(factory=list)
-    blocks: int = 0
-    bytes_by_part: dict[str, int] = attrs.field(factory=dict)
-    held: list[HeldSlot] = attrs.field(factory=list)
-    """Buffers put from directly (no copy), released when the put ends."""
 
 
 class SaveStaging:
@@ -150,18 +126,19 @@ class PendingPuts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._futures: dict[int, list[Future[Any]]] = {}
+        self._futures: dict[object, list[Future[Any]]] = {}
+        """Per store client (the object itself: an ``id`` could name a later client)."""
 
     def add(self, store: Any, future: Future[Any]) -> None:
         with self._lock:
-            self._futures.setdefault(id(store), []).append(future)
+            self._futures.setdefault(store, []).append(future)
         future.add_done_callback(lambda done: self._drop(store, done))
 
     def wait(self, store: Any, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for ``store``'s pending batches; errors are the
         saver's to handle (it poisons the keys)."""
         with self._lock:
-            futures = list(self._futures.get(id(store), ()))
+            futures = list(self._futures.get(store, ()))
         for future in futures:
             try:
                 future.result(timeout=timeout_s)
@@ -170,11 +147,11 @@ class PendingPuts:
 
     def _drop(self, store: Any, future: Future[Any]) -> None:
         with self._lock:
-            futures = self._futures.get(id(store), [])
+            futures = self._futures.get(store, [])
             if future in futures:
                 futures.remove(future)
             if not futures:
-                self._futures.pop(id(store), None)
+                self._futures.pop(store, None)
 
 
 PENDING_PUTS = PendingPuts()

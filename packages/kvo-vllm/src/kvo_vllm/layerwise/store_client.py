@@ -16,14 +16,44 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from kvo_core.config import LayerwiseOffloadConfig
 from kvo_core.errors import ConfigError
 
 STORE_OPTIONS_KEY = "store_options"
 """The extra-config key holding backend options beyond LayerwiseOffloadConfig's fields."""
 
+
+@attrs.define(eq=False)
+class _Client:
+    store: Any
+    users: int = 0
+
+
 _lock = threading.Lock()
-_clients: dict[str, list[Any]] = {}  # settings -> [store, number of users]
+_clients: dict[str, _Client] = {}
+"""The process's store clients by their settings."""
+
+
+@attrs.frozen(eq=False)
+class StoreLease:
+    """One user's share of the process's store client for some settings; released once."""
+
+    settings: str
+    store: Any
+
+    def release(self) -> None:
+        """Drop this user; the last one closes the client."""
+        with _lock:
+            client = _clients.get(self.settings)
+            if client is None or client.store is not self.store:  # released already
+                return
+            client.users -= 1
+            if client.users > 0:
+                return
+            del _clients[self.settings]
+        self.store.close()
 
 
 def store_options_from(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,31 +80,17 @@ def backend_options(config: LayerwiseOffloadConfig, extra_options: Mapping[str, 
     return options
 
 
-def acquire_store(config: LayerwiseOffloadConfig, extra_options: Mapping[str, Any]) -> Any:
-    """The process's store client for these settings (created on first use)."""
+def acquire_store(config: LayerwiseOffloadConfig, extra_options: Mapping[str, Any]
+                  ) -> StoreLease:
+    """A share of the process's store client for these settings (created on first use)."""
     options = backend_options(config, extra_options)
-    key = json.dumps([config.store_backend, options], sort_keys=True, default=repr)
+    settings = json.dumps([config.store_backend, options], sort_keys=True, default=repr)
     with _lock:
-        entry = _clients.get(key)
-        if entry is None:
+        client = _clients.get(settings)
+        if client is None:
             from kvo_transport.store import create_kv_store
 
-            entry = [create_kv_store(config.store_backend, **options), 0]
-            _clients[key] = entry
-        entry[1] += 1
-        return entry[0]
-
-
-def release_store(store: Any) -> None:
-    """Drop one user of ``store``; the last one closes the client."""
-    with _lock:
-        for key, entry in _clients.items():
-            if entry[0] is store:
-                entry[1] -= 1
-                if entry[1] > 0:
-                    return
-                del _clients[key]
-                break
-        else:
-            return
-    store.close()
+            client = _clients[settings] = _Client(
+                store=create_kv_store(config.store_backend, **options))
+        client.users += 1
+        return StoreLease(settings=settings, store=client.store)
