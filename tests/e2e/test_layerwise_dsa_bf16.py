@@ -6,8 +6,9 @@ Three real engines in this process, one after the other: the tiny random
 (the same prompts: what the store holds at fp32). The bf16 engine's cold run gives exactly the
 reference's tokens and logprobs; after ``reset_prefix_cache`` the prompts' whole blocks come
 from the store (both parts loaded) and give the reference's tokens, logprobs within the
-rounding of computing only the tails in other chunks. The store holds bf16 rows: the same keys as at fp32, the main-KV (MLA) bytes half
-of fp32's, the indexer keys (bf16 at both) the same, and the master allocates exactly those bytes.
+rounding of computing only the tails in other chunks. The store holds bf16 rows: the same
+keys as at fp32, the main-KV (MLA) bytes half of fp32's, the indexer keys (bf16 at both) the
+same, and the master allocates exactly those bytes.
 
 Mooncake listens on every interface, so this runs inside a loopback-only network namespace
 (``nox -s e2e`` does that; by hand see ``test_layerwise.py``).
