@@ -205,6 +205,8 @@ class DecodeSpec:
     """request id -> seconds after start before its destination is registered."""
     declined: tuple[str, ...] = ()
     """Requests decode computes itself (``DecodeReceiver.decline``)."""
+    destination_wait_s: float | None = None
+    """How long a READY waits for its destination (None: the receiver's default)."""
 
 
 class FlakyEngine(DelegatingEngine):
@@ -282,7 +284,9 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
                               retry_backoff_s=spec.retry_backoff_s,
                               max_frame_bytes=spec.max_frame_bytes,
                               quarantine_s=spec.quarantine_s,
-                              control_secret=spec.control_secret)
+                              control_secret=spec.control_secret,
+                              **({} if spec.destination_wait_s is None else
+                                 {"destination_wait_s": spec.destination_wait_s}))
     for request_id in spec.declined:
         receiver.decline(request_id)
     receiver.start()

@@ -213,6 +213,41 @@ def test_readies_wait_for_a_late_destination_and_skip_what_decode_holds(engines,
     check_untouched_blocks_are_zero(dest, written)
 
 
+def test_a_ready_refused_before_registration_fails_the_request_not_its_later_chunks(
+        engines, buffers) -> None:
+    """Prefill and decode posted at once, decode slow to register "late" (1.5 s) and READYs
+    wait at most 0.3 s: chunk 1's layers are refused (no destination). Once "late" is
+    registered, chunk 2 arrives whole, every layer. The request must fail (block 10 was never
+    written), not finish: finishing would hand vLLM a block of garbage as computed KV. The
+    rank remembers why, for a registration that comes after the refusal (``aborted``)."""
+    source = buffers(PREFILL.total_bytes)
+    fill_random(source, 7)
+    dest = buffers(DECODE.total_bytes)
+    decode = DecodeProcess(DecodeSpec(
+        shm_name=dest.name, geometry=DECODE, destinations={"late": ((10, 11), None)},
+        registered_after={"late": 1.5}, destination_wait_s=0.3))
+    gates, tracker = SlotGates(), RequestCompletionTracker()
+    publisher = publisher_for(engines[0], source, gates=gates, tracker=tracker)
+    try:
+        started = time.monotonic()
+        first = run_prefill_rank(publisher, decode.endpoint, [Chunk("late", 0, (1,), (1,))],
+                                 PREFILL.layers, 4000, gates=gates, tracker=tracker,
+                                 final=False)
+        assert first.slot_errors  # chunk 1's READs failed
+        reasons, _ = decode.aborted(["late"])
+        assert "refused before its destination was registered" in str(reasons["late"])
+        time.sleep(max(0.0, 1.7 - (time.monotonic() - started)))
+        run_prefill_rank(publisher, decode.endpoint, [Chunk("late", 1, (2,), (2,))],
+                         PREFILL.layers, 4100, gates=gates, tracker=tracker)
+        finished, failed, _, _, _ = decode.wait_terminal(["late"])
+        assert "late" not in finished
+        assert "refused before its destination was registered" in failed["late"]
+    finally:
+        publisher.close()
+        engines[0].unregister(source.ptr)
+        decode.stop()
+
+
 def test_a_request_the_prefill_gives_up_fails_on_decode_at_once(engines, buffers) -> None:
     """Prefill publishes two of four layers of "given-up", then gives it up (say its store
     load failed) and tells decode (SEND_ABORTED): decode fails that pull now instead of

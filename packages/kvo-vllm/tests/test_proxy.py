@@ -19,6 +19,7 @@ from aiohttp import web
 
 from kvo_vllm.proxy.app import ENGINE_KEEPALIVE_S, NOTIFY_PATH, build_app
 from kvo_vllm.proxy.flow import Flow, ProxyConfig
+from kvo_vllm.proxy.hub import DecodeTopology, NotifyHub
 from kvo_vllm.remote_d2h.params import DecodeReady, PrefillFailed
 
 ENDPOINT = "tcp://127.0.0.1:20100"
@@ -40,6 +41,20 @@ class Fakes:
     stream_pause_s: float = 0.0
     """Decode pauses this long between its streamed events."""
     prefilled: asyncio.Event = attrs.Factory(asyncio.Event)
+    dp_size: int = 1
+    """A decode with vLLM data parallelism: its DP ranks' endpoints differ."""
+    honour_pin: bool = True
+    """Send a pinned request (X-data-parallel-rank) to that DP rank, as vLLM does."""
+    dp_taken: list[int] = attrs.Factory(list)
+    """The DP rank that took each decode request; unpinned ones alternate from first_rank."""
+    first_rank: int = 1
+    dp_headers: list[str | None] = attrs.Factory(list)
+    prefill_pause_s: float = 0.0
+
+
+def dp_endpoint(dp_rank: int) -> str:
+    """DP rank r's control endpoint (TP 1): kv_port + r."""
+    return f"tcp://127.0.0.1:{20100 + dp_rank}"
 
 
 def _port() -> socket.socket:
@@ -63,9 +78,18 @@ def _decode_app(fakes: Fakes) -> web.Application:
             return web.json_response({"error": {"message": "bad request"}},
                                      status=fakes.decode_status)
         params = body["kv_transfer_params"]
+        pin = request.headers.get("X-data-parallel-rank")
+        fakes.dp_headers.append(pin)
+        if pin is not None and fakes.honour_pin:
+            dp_rank = int(pin)
+        else:
+            dp_rank = (len(fakes.dp_taken) + fakes.first_rank) % fakes.dp_size
+        fakes.dp_taken.append(dp_rank)
         if fakes.notify:
-            ready = DecodeReady(transfer_id=params["kvo_transfer_id"], d_rank=0, decode_tp=1,
-                                endpoint=ENDPOINT, skip_blocks=1, num_blocks=4)
+            ready = DecodeReady(
+                transfer_id=params["kvo_transfer_id"], d_rank=0, decode_tp=1,
+                endpoint=ENDPOINT if fakes.dp_size == 1 else dp_endpoint(dp_rank),
+                skip_blocks=1, num_blocks=4, dp_rank=dp_rank, dp_size=fakes.dp_size)
             async with aiohttp.ClientSession() as session:
                 await session.post(params["kvo_notify_url"], json=ready.to_json())
             for _ in range(200):  # until the prefill was asked, or the proxy hung up
@@ -103,6 +127,7 @@ def _prefill_app(fakes: Fakes) -> web.Application:
             async with aiohttp.ClientSession() as session:
                 await session.post(params["kvo_notify_url"], json=failed.to_json())
             await asyncio.sleep(5)  # the proxy must not wait for this answer
+        await asyncio.sleep(fakes.prefill_pause_s)
         fakes.prefilled.set()
         if fakes.prefill_status != 200:
             return web.json_response({"error": {"message": "prompt too long"}},
@@ -148,7 +173,7 @@ def test_decode_first_then_prefill_then_the_decode_answer() -> None:
             assert (await response.json())["choices"][0]["token_ids"] == [1, 2]
         async with session.get(proxy + "/kvo/v1/metadata") as response:
             metadata = await response.json()
-        assert metadata["decode_endpoints"] == {"0": ENDPOINT}
+        assert metadata["decode_endpoints"] == {"0/0": ENDPOINT}
         assert metadata["requests"][0]["outcome"] == "ok"
         assert metadata["requests"][0]["skip_blocks"] == 1
 
@@ -211,6 +236,97 @@ def test_decode_first_switch_waits_for_every_advertisement() -> None:
     for body in fakes.prefill_bodies:  # each one told decode's stop block and prefix
         params = body["kv_transfer_params"]
         assert (params["kvo_skip_blocks"], params["kvo_stop_block"]) == (1, 4)
+
+
+def test_a_dp_decode_is_pinned_per_rank_and_each_prefill_goes_to_the_rank_that_took_it(
+        ) -> None:
+    """A decode with 2 DP ranks: the first request is unpinned (vLLM picks rank 1) and goes
+    decode-first; its advertisement tells the DP size, and from then on requests are pinned
+    round robin. A rank whose endpoints are not known yet goes decode-first, a known one gets
+    its prefill at once, to that rank's own endpoints; never another rank's."""
+    fakes = Fakes(dp_size=2)
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        for _ in range(6):
+            async with session.post(proxy + "/v1/completions", json=BODY) as response:
+                assert response.status == 200, await response.text()
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            metadata = await response.json()
+        records = metadata["requests"]
+        assert [r["concurrent"] for r in records] == [False, False, True, True, True, True]
+        assert [r["dp_rank"] for r in records] == [1, 0, 1, 0, 1, 0]
+        assert metadata["decode_endpoints"] == {"0/0": dp_endpoint(0), "1/0": dp_endpoint(1)}
+
+    _run(fakes, scenario)
+    assert fakes.dp_headers == [None, "0", "1", "0", "1", "0"]
+    assert fakes.dp_taken == [1, 0, 1, 0, 1, 0]
+    sent_to = [body["kv_transfer_params"]["kvo_decode_endpoints"]
+               for body in fakes.prefill_bodies]
+    assert sent_to == [[dp_endpoint(rank)] for rank in fakes.dp_taken]
+
+
+def test_a_decode_that_ignores_the_pin_fails_the_request_at_once_then_goes_decode_first(
+        ) -> None:
+    """The prefill of a concurrent post went to DP rank 0's endpoints but rank 1 took the
+    request: the hub sees it in rank 1's advertisement and the request fails naming both,
+    without waiting for the prefill; later requests to that decode are not pinned and wait for
+    its word (each prefill then goes to the rank that took the request)."""
+    fakes = Fakes(dp_size=2, honour_pin=False, first_rank=0, prefill_pause_s=1.0)
+
+    async def scenario(proxy: str, session: aiohttp.ClientSession) -> None:
+        statuses, errors = [], []
+        for _ in range(4):
+            async with session.post(proxy + "/v1/completions", json=BODY) as response:
+                statuses.append(response.status)
+                if response.status != 200:
+                    errors.append((await response.json())["error"])
+        assert statuses == [200, 502, 200, 200], statuses
+        assert errors[0]["type"] == "kvo_transfer_error"
+        assert (f"decode DP rank 1 took the request and advertised ['{dp_endpoint(1)}'], but "
+                f"the prefill was already sent to ['{dp_endpoint(0)}']") in errors[0]["message"]
+        async with session.get(proxy + "/kvo/v1/metadata") as response:
+            records = (await response.json())["requests"]
+        assert [r["concurrent"] for r in records] == [False, True, False, False]
+        assert records[1]["total_s"] < 1.0  # not after the prefill's answer
+
+    _run(fakes, scenario)
+    # Unpinned -> rank 0 (learnt); pinned 0 but rank 1 took it: failed; then unpinned,
+    # decode-first, each prefill to the rank that took the request.
+    assert fakes.dp_taken == [0, 1, 0, 1]
+    assert fakes.dp_headers == [None, "0", None, None]
+    sent_to = [body["kv_transfer_params"]["kvo_decode_endpoints"]
+               for body in fakes.prefill_bodies]
+    assert sent_to == [[dp_endpoint(0)], [dp_endpoint(0)], [dp_endpoint(0)], [dp_endpoint(1)]]
+
+
+def test_two_dp_ranks_advertising_one_transfer_fail_it() -> None:
+    async def main() -> None:
+        hub = NotifyHub()
+        ready, failed = hub.expect("t1")
+        for dp_rank in (0, 1):
+            hub.deliver(DecodeReady(transfer_id="t1", d_rank=dp_rank, decode_tp=2,
+                                    endpoint=dp_endpoint(dp_rank), skip_blocks=0,
+                                    num_blocks=2, dp_rank=dp_rank, dp_size=2))
+        assert failed.done() and "decode DP ranks [0] and 1 both advertised" in failed.result()
+        assert ready.exception() is not None
+
+    asyncio.run(main())
+
+
+def test_every_tp_rank_of_the_dp_rank_must_advertise_before_ready() -> None:
+    async def main() -> None:
+        hub = NotifyHub()
+        ready, _ = hub.expect("t1")
+        endpoints = ("tcp://127.0.0.1:20102", "tcp://127.0.0.1:20103")  # DP rank 1 of TP 2
+        for tp_rank in (1, 0):
+            assert not ready.done()
+            hub.deliver(DecodeReady(transfer_id="t1", d_rank=tp_rank, decode_tp=2,
+                                    endpoint=endpoints[tp_rank], skip_blocks=0, num_blocks=2,
+                                    dp_rank=1, dp_size=2))
+        assert ready.result() == DecodeTopology(endpoints=endpoints, skip_blocks=0,
+                                                num_blocks=2, dp_rank=1, dp_size=2)
+
+    asyncio.run(main())
 
 
 def test_streams_are_relayed_chunk_by_chunk() -> None:

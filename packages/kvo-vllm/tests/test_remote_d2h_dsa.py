@@ -12,7 +12,7 @@ from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.indexer_cache import describe_indexer_block
 from kvo_vllm.dsa.offload_manager import OffloadManager
-from kvo_vllm.remote_d2h.connector import refuse_untested_decode_dp, refuse_untested_dsa
+from kvo_vllm.remote_d2h.connector import refuse_untested_dsa
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches
 from kvo_vllm.sparse.layout import SparseModelLayout
@@ -138,9 +138,3 @@ def test_pulled_blocks_are_seen_as_written_by_residency(noted: bool) -> None:
     finally:
         manager.close()
 
-
-def test_a_decode_with_data_parallelism_is_refused_naming_it() -> None:
-    with pytest.raises(ConfigError, match=r"P/D decode with data_parallel_size=2 yet.*one set "
-                                          r"of control endpoints per decode URL"):
-        refuse_untested_decode_dp(2)
-    refuse_untested_decode_dp(1)

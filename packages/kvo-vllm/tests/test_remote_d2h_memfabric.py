@@ -77,10 +77,10 @@ def test_memfabric_keys_with_another_backend_are_refused() -> None:
         _config(memfabric_store_url=STORE_URL, memfabric_device_id=1)
 
 
-@pytest.mark.parametrize(("role", "tp_rank", "device_id", "expected_device"),
+@pytest.mark.parametrize(("role", "device_index", "device_id", "expected_device"),
                          [("Prefill", 2, None, 2), ("Decode", 1, 5, 5)])
 def test_workers_build_the_engine_with_every_option(
-        monkeypatch: pytest.MonkeyPatch, role: str, tp_rank: int, device_id: int | None,
+        monkeypatch: pytest.MonkeyPatch, role: str, device_index: int, device_id: int | None,
         expected_device: int) -> None:
     library = _RecordingMemFabric()
     monkeypatch.setitem(sys.modules, "memfabric_hybrid", library)
@@ -88,7 +88,7 @@ def test_workers_build_the_engine_with_every_option(
                      memfabric_transfer_protocol="device_rdma", memfabric_device_id=device_id,
                      memfabric_store_server_role="Decode", memfabric_nic="eth1",
                      local_hostname="10.0.0.8")
-    engine = transfer_engine_for(config, LAYERS, role=role, tp_rank=tp_rank)
+    engine = transfer_engine_for(config, LAYERS, role=role, device_index=device_index)
     assert engine.backend == "memfabric" and engine.protocol == "device_rdma"
     assert library.initialized == [(STORE_URL, "10.0.0.8", role, expected_device,
                                      _OpType.DEVICE_RDMA, "Decode", "eth1")]
@@ -98,7 +98,7 @@ def test_without_the_library_the_error_names_the_extra(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "memfabric_hybrid", None)
     config = _config(transfer_backend="memfabric", memfabric_store_url=STORE_URL)
     with pytest.raises(BackendUnavailableError, match=r"kvo-transport\[ascend\]"):
-        transfer_engine_for(config, LAYERS, role="Decode", tp_rank=0)
+        transfer_engine_for(config, LAYERS, role="Decode", device_index=0)
 
 
 def test_a_hostname_memfabric_cannot_use_is_refused_before_the_library_is_asked(
@@ -108,5 +108,5 @@ def test_a_hostname_memfabric_cannot_use_is_refused_before_the_library_is_asked(
     config = _config(transfer_backend="memfabric", memfabric_store_url=STORE_URL,
                      local_hostname="decode-0.internal")
     with pytest.raises(ConfigError, match="numeric IPv4"):
-        transfer_engine_for(config, LAYERS, role="Decode", tp_rank=0)
+        transfer_engine_for(config, LAYERS, role="Decode", device_index=0)
     assert library.initialized == []

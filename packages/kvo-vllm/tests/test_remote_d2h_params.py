@@ -68,3 +68,16 @@ def test_notifications_parse_and_refuse() -> None:
         parse_notification({**ready.to_json(), "skip_blocks": 5})
     with pytest.raises(TransferParamsError, match="JSON object"):
         parse_notification(["not", "a", "dict"])
+
+
+def test_a_decode_ready_names_its_dp_rank_checked_against_the_dp_size() -> None:
+    ready = DecodeReady(transfer_id="kvo-5", d_rank=0, decode_tp=1, endpoint=ENDPOINTS[0],
+                        skip_blocks=0, num_blocks=3, dp_rank=1, dp_size=2)
+    assert parse_notification(ready.to_json()) == ready
+    legacy = {k: v for k, v in ready.to_json().items() if k not in ("dp_rank", "dp_size")}
+    assert (parse_notification(legacy).dp_rank, parse_notification(legacy).dp_size) == (0, 1)
+    with pytest.raises(TransferParamsError, match=r"dp_rank must be an integer in \[0, 1\], "
+                                                  r"got 2"):
+        parse_notification({**ready.to_json(), "dp_rank": 2})
+    with pytest.raises(TransferParamsError, match="dp_size must be an integer in"):
+        parse_notification({**ready.to_json(), "dp_size": 0})

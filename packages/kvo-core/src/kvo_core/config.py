@@ -367,8 +367,9 @@ class RemoteD2HConfig:
     backend and must be equal on prefill and decode; ``mooncake_protocol`` likewise for mooncake.
     The memfabric backend also needs ``memfabric_store_url`` (its config store, created by the
     instance whose role is ``memfabric_store_server_role``; prefill is "Prefill", decode
-    "Decode"), ``memfabric_device_id`` (the NPU; default: the worker's TP rank) and
-    ``memfabric_nic`` ("" lets MemFabric choose); these keys are refused with another backend.
+    "Decode"), ``memfabric_device_id`` (the NPU; default: the worker's local rank on its node,
+    local DP rank * TP size + TP rank) and ``memfabric_nic`` ("" lets MemFabric choose); these
+    keys are refused with another backend.
     ``control_secret`` authenticates every control frame (HMAC-SHA256, kvo_transport.frame_auth);
     when absent, the ``KVO_CONTROL_SECRET`` environment variable is used; with neither, the
     control socket is refused on a non-loopback ``local_hostname``. It is kept out of ``repr``.

@@ -186,7 +186,8 @@ class DecodeReceiver:
         self._sessions: dict[bytes, _Session] = {}
         self._requests = ReceiveLedger()
         self._aborted: OrderedDict[str, str] = OrderedDict()
-        """Request id -> reason, for requests a prefill gave up (bounded; under _lock)."""
+        """Request id -> reason, for requests a prefill gave up or whose READY this rank
+        refused before their destination was registered (bounded; under _lock)."""
         self.aborted_requests = 0
         """Requests a prefill told this rank it gave up (SEND_ABORTED; for tests/metrics)."""
         self.rejected_frames = 0
@@ -293,9 +294,10 @@ class DecodeReceiver:
         self._requests.fail_pending(request_id, reason)
 
     def aborted(self, request_id: str) -> str | None:
-        """Why a prefill gave ``request_id`` up (SEND_ABORTED), or None. Whoever registers a
-        destination asks this after registering it: an abort that came first fails it then.
-        Any thread."""
+        """Why ``request_id`` cannot arrive whole on this rank, or None: a prefill gave it up
+        (SEND_ABORTED), or this rank refused one of its READYs before its destination was
+        registered. Whoever registers a destination asks this after registering it: what
+        came first fails it then. Any thread."""
         with self._lock:
             return self._aborted.get(request_id)
 
@@ -553,16 +555,22 @@ class DecodeReceiver:
         log.warning("decode %s: prefill %s gave up request(s) %s: %s", self.endpoint,
                     session.label, _preview(message.request_ids), message.reason)
         for request_id in message.request_ids:
-            with self._lock:  # remembered before the resolver is asked: see ``aborted``
-                self._aborted[request_id] = reason
-                self._aborted.move_to_end(request_id)
-                while len(self._aborted) > MAX_REMEMBERED_ABORTS:
-                    self._aborted.popitem(last=False)
+            self._remember_lost(request_id, reason)
+            with self._lock:
                 self.aborted_requests += 1
             self._parking.decline(request_id)  # its READYs, waiting or to come, read nothing
             if self._resolve(request_id) is not None:
                 self._expect(session, request_id)
                 self._requests.layer_failed(request_id, session.part, reason)
+
+    def _remember_lost(self, request_id: str, reason: str) -> None:
+        """``request_id`` can never arrive whole on this rank: whoever registers its
+        destination later fails it (``aborted``). Remembered before the resolver is asked."""
+        with self._lock:
+            self._aborted[request_id] = reason
+            self._aborted.move_to_end(request_id)
+            while len(self._aborted) > MAX_REMEMBERED_ABORTS:
+                self._aborted.popitem(last=False)
 
     def _read_layer(self, identity: bytes, batch: ReadReadyBatch) -> None:
         started = time.perf_counter()
@@ -581,6 +589,9 @@ class DecodeReceiver:
             for request in batch.requests:
                 targets[request.request_id] = self._parking.destination(request.request_id,
                                                                         self._resolve)
+            lost = self._lost_reason(targets)
+            if lost is not None:
+                raise ReadRejected(lost)
             plan = self._plan(session, batch, targets)
         except ReadRejected as exc:
             self._fail_layer(identity, session, batch, targets, str(exc), started)
@@ -617,6 +628,17 @@ class DecodeReceiver:
                       "descriptors, %.0f us", self.endpoint, batch.layer_index, batch.layer_name,
                       batch.seq, session.label, len(batch.requests), _ids(batch), plan.total_bytes,
                       len(plan.lengths), (time.perf_counter() - started) * 1e6)
+
+    def _lost_reason(self, targets: dict[str, RequestDestination | None]) -> str | None:
+        """Why a request of this READY that has a destination can never arrive whole (its
+        prefill gave it up, or an earlier READY of it was refused before it was registered),
+        or None. Such a request fails here instead of completing from its later chunks."""
+        with self._lock:
+            for request_id, target in targets.items():
+                reason = self._aborted.get(request_id) if target is not None else None
+                if reason is not None:
+                    return f"request {request_id!r} cannot arrive whole: {reason}"
+        return None
 
     def _plan(self, session: _Session, batch: ReadReadyBatch,
               targets: dict[str, RequestDestination | None]) -> LayerReadPlan:
@@ -697,7 +719,20 @@ class DecodeReceiver:
         for request in batch.requests:
             target = targets.get(request.request_id)
             if target is None:
-                continue  # not a request of this rank: nothing to track or invalidate
+                # No destination (yet): nothing to invalidate, but this layer's blocks of the
+                # request will never be read here. Should the request register later (the
+                # READY waited past destination_wait_s), it must fail, not complete from its
+                # later chunks with these blocks unwritten; and if it registered just now,
+                # fail it now.
+                lost = (f"a READY for it (layer {batch.layer_index}, seq {batch.seq}, from "
+                        f"{session.label}) was refused before its destination was "
+                        f"registered: {reason}")
+                self._remember_lost(request.request_id, lost)
+                if self._resolve(request.request_id) is None:
+                    continue
+                self._expect(session, request.request_id)
+                self._requests.layer_failed(request.request_id, session.part, lost)
+                continue
             self._expect(session, request.request_id)
             self._requests.layer_failed(request.request_id, session.part,
                                         f"layer {batch.layer_index}: {reason}")

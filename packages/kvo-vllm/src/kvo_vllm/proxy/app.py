@@ -125,9 +125,15 @@ async def _metadata(request: web.Request) -> web.StreamResponse:
         "prefill_urls": list(config.prefill_urls),
         "decode_urls": list(config.decode_urls),
         "decode_tp": hub.decode_tp,
-        "decode_endpoints": {str(rank): ep for rank, ep in sorted(hub.endpoints_seen.items())},
+        "decode_endpoints": {_rank_label(dp, tp): ep
+                             for (dp, tp), ep in sorted(hub.endpoints_seen.items())},
         "waiting": len(hub),
         "unknown_notifications": hub.unknown_notifications,
         "refused_notifications": request.app[_VERIFIER].counters.as_dict(),
         "requests": [attrs.asdict(record) for record in flow.records],
     })
+
+
+def _rank_label(dp_rank: int, tp_rank: int) -> str:
+    """A decode rank in /kvo/v1/metadata: ``"DP/TP"`` (``"0/1"``: DP rank 0, TP rank 1)."""
+    return f"{dp_rank}/{tp_rank}"

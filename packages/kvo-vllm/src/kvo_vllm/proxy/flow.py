@@ -14,6 +14,17 @@ decode registered the request waits for it there (kvo_transport.ready_parking; i
 fenced like any other). That takes decode's scheduling off the path before prefill starts.
 A hand-off failure forgets the endpoints: the next request to that decode goes decode-first.
 
+A decode with vLLM data parallelism (one API server, ``--data-parallel-size N``) has one set of
+control endpoints per DP rank, and vLLM picks the rank that takes a request. Its advertisement
+says which DP rank took it and how many there are; from then on the proxy pins each request to
+a DP rank itself (round robin, vLLM's ``X-data-parallel-rank`` header, which vLLM's API server
+honours for completions and chat) and keeps known endpoints per (decode URL, DP rank), so a
+concurrent post only ever goes to the endpoints of the DP rank the request was pinned to. The
+hub still checks the advertisement against them: a decode that ignored the pin fails the
+request at once instead of leaving the prefill's layers waiting at a DP rank that never reads
+them, and from then on every request to that decode waits for its advertisement (unpinned,
+decode-first: correct whichever DP rank takes it).
+
 Failures end cleanly: a decode error is relayed as is; a prefill that cannot hand the KV off
 (it names the reason, e.g. a refused handshake) or answers with an error aborts the decode
 request and the client gets an error naming what went wrong; a client that goes away aborts
@@ -44,6 +55,8 @@ logger = logging.getLogger("kvo.proxy")
 PREFILL_DROPPED_KEYS = ("stream_options", "min_tokens")
 TRANSFER_ERROR = "kvo_transfer_error"
 """Error type of a request whose KV could not be handed from prefill to decode."""
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's OpenAI server sends a request with this header to that DP rank's engine."""
 
 
 @attrs.frozen
@@ -75,6 +88,8 @@ class RequestRecord:
     skip_blocks: int | None = None
     concurrent: bool = False
     """Prefill was posted with decode at once (decode's endpoints were known)."""
+    dp_rank: int | None = None
+    """The decode DP rank the request was pinned to, or (unpinned) the one that took it."""
     outcome: str = "running"
 
 
@@ -103,8 +118,14 @@ class Flow:
         self._next_decode = 0
         self.records: deque[RequestRecord] = deque(maxlen=1000)
         self._background: set[asyncio.Future[Any]] = set()
-        self._endpoints: dict[str, tuple[str, ...]] = {}
-        """decode URL -> its control endpoints, from its latest advertisement."""
+        self._endpoints: dict[tuple[str, int], tuple[str, ...]] = {}
+        """(decode URL, DP rank) -> that DP rank's control endpoints, from its latest
+        advertisement."""
+        self._dp_size: dict[str, int] = {}
+        """decode URL -> its DP size, from its latest advertisement."""
+        self._next_dp: dict[str, int] = {}
+        self._ignores_pin: set[str] = set()
+        """Decode URLs seen giving a pinned request to another DP rank: decode-first only."""
 
     def _pick(self) -> tuple[str, str]:
         prefill = self.config.prefill_urls[self._next_prefill % len(self.config.prefill_urls)]
@@ -112,6 +133,16 @@ class Flow:
         self._next_prefill += 1
         self._next_decode += 1
         return prefill, decode
+
+    def _pin(self, decode_url: str) -> int | None:
+        """The DP rank this request goes to (round robin), or None: the decode's DP size is
+        not known yet or is 1 (vLLM then picks, and the advertisement says which)."""
+        dp_size = self._dp_size.get(decode_url, 1)
+        if dp_size == 1 or decode_url in self._ignores_pin:
+            return None
+        turn = self._next_dp.get(decode_url, 0)
+        self._next_dp[decode_url] = turn + 1
+        return turn % dp_size
 
     async def handle(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
@@ -153,15 +184,23 @@ class Flow:
                    record: RequestRecord) -> web.StreamResponse:
         prefill_url, decode_url = self._pick()
         tid = record.transfer_id
-        ready, failed = self.hub.expect(tid)
+        pinned = self._pin(decode_url)
+        record.dp_rank = pinned
+        endpoints_key = (decode_url, 0 if pinned is None else pinned)
+        known = (self._endpoints.get(endpoints_key)
+                 if self.config.concurrent_post and decode_url not in self._ignores_pin
+                 else None)
+        ready, failed = self.hub.expect(tid, sent_to=known)
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = DecodePullParams(
             transfer_id=tid, notify_url=self.config.notify_url).to_params()
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        headers = {"X-Request-Id": tid}
+        if pinned is not None:
+            headers[DP_RANK_HEADER] = str(pinned)
         decode_call = asyncio.ensure_future(self.session.post(
-            decode_url + path, json=decode_body, timeout=timeout, headers={"X-Request-Id": tid}))
+            decode_url + path, json=decode_body, timeout=timeout, headers=headers))
         ready.add_done_callback(lambda done: self._on_ready(decode_url, record, done))
-        known = self._endpoints.get(decode_url) if self.config.concurrent_post else None
         try:
             if known is not None:
                 record.concurrent = True
@@ -181,21 +220,33 @@ class Flow:
         except ProxyError as error:
             if error.kind == TRANSFER_ERROR:  # next time: wait for decode's word
                 ready.cancel()
-                self._endpoints.pop(decode_url, None)
+                self._endpoints.pop(endpoints_key, None)
             raise
         finally:
             await _abort(decode_call)
 
     def _on_ready(self, decode_url: str, record: RequestRecord,
                   ready: asyncio.Future[DecodeTopology]) -> None:
-        """Decode advertised the request's destination: note when, and keep its endpoints
-        for the decode's next requests."""
+        """Decode advertised the request's destination: note when, and keep the endpoints of
+        the DP rank that took it (and the decode's DP size) for the decode's next requests."""
         if ready.cancelled() or ready.exception() is not None:
             return
         topology = ready.result()
         record.ready_s = time.monotonic() - record.started
         record.skip_blocks = topology.skip_blocks
-        self._endpoints[decode_url] = topology.endpoints
+        if record.dp_rank is not None and record.dp_rank != topology.dp_rank:
+            logger.warning("request %s was pinned to DP rank %d of decode %s but DP rank %d "
+                           "took it: the decode does not honour %s; every later request to "
+                           "it waits for its advertisement (decode-first)", record.transfer_id,
+                           record.dp_rank, decode_url, topology.dp_rank, DP_RANK_HEADER)
+            self._ignores_pin.add(decode_url)
+        record.dp_rank = topology.dp_rank
+        if self._dp_size.get(decode_url) != topology.dp_size:
+            # A decode seen for the first time, or restarted with another shape.
+            for key in [key for key in self._endpoints if key[0] == decode_url]:
+                del self._endpoints[key]
+            self._dp_size[decode_url] = topology.dp_size
+        self._endpoints[(decode_url, topology.dp_rank)] = topology.endpoints
 
     async def _wait_ready(self, ready: asyncio.Future[DecodeTopology],
                           decode_call: asyncio.Future[aiohttp.ClientResponse], decode_url: str,

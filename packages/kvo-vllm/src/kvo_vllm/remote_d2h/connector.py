@@ -13,8 +13,11 @@ layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a deco
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
 (``pool_destination``). DSA layouts run with prefill TP 1 or 2 and decode TP 1 and without
 speculative decoding (decode TP > 1 and speculative decoding are refused at start-up until
-shown to work); a decode with vLLM data parallelism is refused too (the proxy does not yet
-learn which DP rank took a request).
+shown to work). A decode may run vLLM's data parallelism (one API server, ``N`` DP ranks):
+each DP rank's workers bind their own control ports (``kv_port + dp_rank * tp + tp_rank``),
+advertise which DP rank took a request, and the kvo proxy pins later requests to a DP rank
+(``kvo_vllm.proxy.flow``); DP ranks that vLLM runs as independent engines (a dense model)
+are refused (``dp_rank``). Each DP rank's ``stats_file`` is the path plus ``.dp<rank>``.
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -63,6 +66,7 @@ from kvo_vllm.metrics import (
     remote_d2h_counters,
 )
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+from kvo_vllm.remote_d2h.dp_rank import DecodeDpRank, decode_dp_rank, local_device_index
 from kvo_vllm.remote_d2h.kv_caches import cache_part
 from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata
 from kvo_vllm.remote_d2h.options import RemoteD2HOptions
@@ -109,17 +113,12 @@ def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: obje
             f"hand-off is not tested; run P/D without speculative_config")
 
 
-def refuse_untested_decode_dp(data_parallel_size: int) -> None:
-    """ConfigError for a decode (kv_consumer) with vLLM data parallelism: behind one API server
-    URL vLLM picks the DP rank that takes a request, while the proxy keeps one set of control
-    endpoints per decode URL and may hand the prefill another DP rank's (not tested here;
-    sparse offload at decode DP 2 without P/D is, ``tests/e2e/test_dsa_offload_dp2.py``)."""
-    if data_parallel_size > 1:
-        raise ConfigError(
-            f"RemoteD2HConnector does not serve a P/D decode with data_parallel_size="
-            f"{data_parallel_size} yet: the proxy does not yet learn which DP rank took a "
-            f"request (it keeps one set of control endpoints per decode URL); run each decode "
-            f"DP rank as its own server (data_parallel_size 1) behind the proxy")
+def rank_stats_file(path: str | None, dp: DecodeDpRank) -> str | None:
+    """Each DP rank's own stats file: ``path.dp<rank>`` with data parallelism, else ``path``
+    (the DP ranks' workers are different processes that would overwrite one file)."""
+    if path is None or dp.size == 1:
+        return path
+    return f"{path}.dp{dp.rank}"
 
 
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
@@ -140,8 +139,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
         self.options = RemoteD2HOptions.from_extra_config(transfer.kv_connector_extra_config)
         self.is_producer = transfer.is_kv_producer
         self.is_consumer = transfer.is_kv_consumer
-        if self.is_consumer:
-            refuse_untested_decode_dp(int(vllm_config.parallel_config.data_parallel_size))
+        parallel = vllm_config.parallel_config
+        dp = decode_dp_rank(parallel) if self.is_consumer else DecodeDpRank(0, 1)
         self._slot_key_of = slot_key_of
         self._scheduler: RemoteD2HScheduler | None = None
         self.sender: PrefillSender | None = None
@@ -153,23 +152,23 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            parallel = vllm_config.parallel_config
             tp_rank = get_tensor_model_parallel_rank()
             tp_size = parallel.tensor_parallel_size
+            device_index = local_device_index(parallel, tp_rank)
             shorten_switch_interval(self.options.config.gil_switch_interval_s)
             if self.is_producer:
                 self.sender = PrefillSender(config=self.options.config, tp_rank=tp_rank,
                                             tp_size=tp_size, instance_id=str(transfer.engine_id),
-                                            gates=gates)
+                                            gates=gates, device_index=device_index)
             if self.is_consumer:
                 self.puller = DecodePuller(config=self.options.config, tp_rank=tp_rank,
-                                           tp_size=tp_size,
-                                           dp_rank=parallel.data_parallel_rank,
+                                           tp_size=tp_size, dp_rank=dp.rank, dp_size=dp.size,
+                                           device_index=device_index,
                                            engine_wrapper=(
                                                None if self.options.engine_wrapper is None
                                                else self.options.engine_wrapper.load()))
-        self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
-                                else None, self.snapshot)
+        self._stats = StatsFile(rank_stats_file(self.options.stats_file, dp)
+                                if role == KVConnectorRole.WORKER else None, self.snapshot)
         self._metric_deltas = CounterDeltas()
         logger.info("kvo RemoteD2HConnector (%s, %s)", role.name, transfer.kv_role)
 

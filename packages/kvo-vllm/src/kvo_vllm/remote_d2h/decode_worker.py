@@ -108,10 +108,15 @@ class DecodePuller:
     """Owns the decode rank's engine, receiver and destinations (one per worker)."""
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
+                 dp_size: int = 1, device_index: int | None = None,
                  engine_wrapper: EngineWrapper | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device_index = tp_rank if device_index is None else device_index
+        """This worker's accelerator on its node (MemFabric's default device)."""
         self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
         self._engine_wrapper = engine_wrapper
         self.stats = DecodeStats()
@@ -161,7 +166,8 @@ class DecodePuller:
         self._device_kv = device_kv_bytes(layout, pool)
         config = self.config
         tensors = [t for layer in layout.layers for _, t in layer.tensors()]
-        raw = transfer_engine_for(config, tensors, role="Decode", tp_rank=self.tp_rank)
+        raw = transfer_engine_for(config, tensors, role="Decode",
+                                  device_index=self.device_index)
         regions = []
         dest_layers = []
         spans = layout.spans() if pool is None else [
@@ -237,7 +243,8 @@ class DecodePuller:
             return
         ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
                             decode_tp=self.tp_size, endpoint=self.endpoint,
-                            skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids))
+                            skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids),
+                            dp_rank=self.dp_rank, dp_size=self.dp_size)
         self._notifier.post(target.notify_url, ready.to_json())
 
     def _blocks(self, target: RecvTarget) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -142,10 +142,11 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
 
 
 def transfer_engine_for(config: RemoteD2HConfig, tensors: Sequence[torch.Tensor], *,
-                        role: str, tp_rank: int) -> TransferEngine:
+                        role: str, device_index: int) -> TransferEngine:
     """The configured backend; with Mooncake, direct copies (process_vm_readv) to a peer on
     this host when the KV lives in host memory, Mooncake otherwise. ``role`` ("Prefill" or
-    "Decode") and ``tp_rank`` (the default NPU) are MemFabric's."""
+    "Decode") and ``device_index`` (the worker's accelerator on its node: MemFabric's device
+    unless ``memfabric_device_id`` names one; ``dp_rank.local_device_index``) are MemFabric's."""
     if config.transfer_backend == "mooncake":
         on_host = all(tensor.device.type == "cpu" for tensor in tensors)
         return create_transfer_engine("mooncake", hostname=config.local_hostname,
@@ -153,6 +154,7 @@ def transfer_engine_for(config: RemoteD2HConfig, tensors: Sequence[torch.Tensor]
     return create_transfer_engine(
         "memfabric", protocol=config.memfabric_transfer_protocol,
         store_url=config.memfabric_store_url, role=role,
-        device_id=tp_rank if config.memfabric_device_id is None else config.memfabric_device_id,
+        device_id=(device_index if config.memfabric_device_id is None
+                   else config.memfabric_device_id),
         hostname=config.local_hostname, store_server_role=config.memfabric_store_server_role,
         nic=config.memfabric_nic)

@@ -28,6 +28,7 @@ from kvo_core.errors import KvoError
 MAX_ID_CHARS = 200
 MAX_ERROR_CHARS = 4000
 MAX_DECODE_TP = 4096
+MAX_DECODE_DP = 4096
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 _ENDPOINT = re.compile(r"^tcp://(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 _URL = re.compile(r"^https?://[^\s/]+(/[^\s]*)?$")
@@ -175,7 +176,8 @@ class PrefillSendParams:
 
 @attrs.frozen
 class DecodeReady:
-    """Decode -> proxy: rank ``d_rank`` of ``decode_tp`` holds destinations for the transfer."""
+    """Decode -> proxy: TP rank ``d_rank`` of ``decode_tp`` in DP rank ``dp_rank`` of
+    ``dp_size`` holds destinations for the transfer (the DP rank that took the request)."""
 
     transfer_id: str
     d_rank: int
@@ -184,6 +186,8 @@ class DecodeReady:
     skip_blocks: int
     num_blocks: int
     """Blocks to receive: the destination covers ``[skip_blocks, num_blocks)``."""
+    dp_rank: int = 0
+    dp_size: int = 1
 
     KIND = "decode_ready"
 
@@ -194,13 +198,16 @@ class DecodeReady:
     def from_json(cls, body: Mapping[str, Any]) -> DecodeReady:
         decode_tp = _int_in(body.get("decode_tp"), "decode_tp", 1, MAX_DECODE_TP)
         num_blocks = _int_in(body.get("num_blocks"), "num_blocks", 1, 1 << 40)
+        dp_size = _int_in(body.get("dp_size", 1), "dp_size", 1, MAX_DECODE_DP)
         return cls(transfer_id=check_transfer_id(body.get("transfer_id"), "transfer_id"),
                    d_rank=_int_in(body.get("d_rank"), "d_rank", 0, decode_tp - 1),
                    decode_tp=decode_tp,
                    endpoint=check_endpoint(body.get("endpoint")),
                    skip_blocks=_int_in(body.get("skip_blocks"), "skip_blocks", 0,
                                        max(0, num_blocks - 1)),
-                   num_blocks=num_blocks)
+                   num_blocks=num_blocks,
+                   dp_rank=_int_in(body.get("dp_rank", 0), "dp_rank", 0, dp_size - 1),
+                   dp_size=dp_size)
 
 
 @attrs.frozen

@@ -91,9 +91,12 @@ class PrefillSender:
     """Owns the prefill rank's engine and publishers; one per worker."""
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int,
-                 instance_id: str, gates: SlotGates | None = None) -> None:
+                 instance_id: str, gates: SlotGates | None = None,
+                 device_index: int | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
+        self.device_index = tp_rank if device_index is None else device_index
+        """This worker's accelerator on its node (MemFabric's default device)."""
         self.tp_size = tp_size
         self.instance_id = instance_id
         self.stats = PrefillStats()
@@ -129,7 +132,7 @@ class PrefillSender:
         layout = describe_kv_caches(kv_caches)
         engine = transfer_engine_for(self.config, [t for layer in layout.layers
                                                    for _, t in layer.tensors()],
-                                     role="Prefill", tp_rank=self.tp_rank)
+                                     role="Prefill", device_index=self.device_index)
         metas = []
         for layer in layout.layers:
             num_blocks = layer.main.shape[0]
