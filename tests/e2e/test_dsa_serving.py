@@ -41,8 +41,11 @@ dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32", num_layers=NUM_LAYERS,
 
 
 def _engine(model: Path, **extra: Any) -> Any:
+    # The prefix cache off: the same prompts twice are computed twice, in the same steps
+    # (test_dsa_prefix_cache.py shows the answers prefix-cache hits give).
     settings: dict[str, Any] = dict(max_model_len=1024, max_num_seqs=4,
-                                    max_num_batched_tokens=STEP_TOKENS)
+                                    max_num_batched_tokens=STEP_TOKENS,
+                                    enable_prefix_caching=False)
     return e2e.start_engine(model, **{**settings, **extra})   # extra may override these
 
 
