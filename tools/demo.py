@@ -20,7 +20,7 @@ What it does, end to end, with real components only:
    go one at a time, and the decode computes the prompt's tail (past the pulled full blocks) in
    the same step shape as the plain engine, over bit-identical KV; kvo's offload decode does the
    resident arithmetic on the rows it selects (tests/e2e/test_pd_dsa.py, test_dsa_offload.py);
-5. sends a pair of requests sharing a 3-block prefix, one after the other, to the plain vLLM and
+5. sends a pair of requests sharing a 2-block prefix, one after the other, to the plain vLLM and
    straight to the decode (its own offload mode, no P/D): the second is a vLLM prefix-cache hit
    on both (kvo keeps vLLM's prefix cache on for the DSA model), counted on each server's
    /metrics, and the decode's answers equal the plain ones exactly;
