@@ -16,8 +16,8 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   chunked prefill off for MLA because CPU_MLA cannot continue a prefill; kvo's backend runs
   every token through sparse attention over its own top-k, so it can), keeps vLLM's prefix cache
   as the user configured it (``enable_prefix_caching``, on by vLLM's default) on every CPU
-  (stock turns it off for MLA where the CPU lacks AMX tiles, because CPU_MLA cannot start a
-  prefill after cached tokens; kvo's backend and indexer read a hit's blocks through the block
+  (stock turns it off for MLA where the CPU lacks AMX tiles: a hit needs a prefill that
+  continues after cached tokens, as chunked prefill does; kvo's backend and indexer read a hit's blocks through the block
   table like an earlier chunk's, and in offload mode the host pool is addressed by vLLM's block
   ids, so a hit reads the rows its blocks already hold: a machine's instruction set must not
   change what a deployment does), and validates kvo's
