@@ -17,10 +17,10 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   every token through sparse attention over its own top-k, so it can), keeps vLLM's prefix cache
   as the user configured it (``enable_prefix_caching``, on by vLLM's default) on every CPU
   (stock turns it off for MLA where the CPU lacks AMX tiles: a hit needs a prefill that
-  continues after cached tokens, as chunked prefill does; kvo's backend and indexer read a hit's blocks through the block
-  table like an earlier chunk's, and in offload mode the host pool is addressed by vLLM's block
-  ids, so a hit reads the rows its blocks already hold: a machine's instruction set must not
-  change what a deployment does), and validates kvo's
+  continues after cached tokens, as chunked prefill does; kvo's backend and indexer read a
+  hit's blocks through the block table like an earlier chunk's, and in offload mode the host
+  pool is addressed by vLLM's block ids, so a hit reads the rows its blocks already hold: a
+  machine's instruction set must not change what a deployment does), and validates kvo's
   sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up; with
   ``mode="offload"`` the backend is the offload one, vLLM's block count the host pool's
   (:mod:`kvo_vllm.dsa.offload_backend`) and the worker kvo's, which opens the host pool at
