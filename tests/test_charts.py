@@ -47,6 +47,11 @@ SPARSE_VLLM = {"benchmark": "sparse_vllm", "rows": [
      "step_ratio": 1.1, "resident_device_kv_mib": c * b / 100, "offload_device_kv_mib": 2.0 * b,
      "h2d_mib_per_step": 0.01, "full_reload_mib_per_step": c * b / 1000, "hit_rate": 0.9,
      "identical": True} for c in (128, 1024) for b in (1, 4)]}
+SPARSE_VLLM_PREFIX = {"benchmark": "sparse_vllm_prefix", "rows": [
+    {"mode": m, "prefix_caching": c, "prefix_tokens": 2048, "suffix_tokens": 64, "requests": 8,
+     "cold_ttft_ms": 900.0, "ttft_ms_median": 80.0 if c else 900.0,
+     "hit_tokens_per_request": 2048 if c else 0, "first_request_hit_tokens": 0,
+     "same_tokens_as_cache_off": True} for m in ("resident", "offload") for c in (False, True)]}
 SPARSE_BUDGET = {"benchmark": "sparse_budget", "offload_speedup": 1.05, "same_tokens": True,
                  "rows": [{"mode": m, "wall_s": 10.0, "budget_mib": 8.0, "device_kv_mib": kv,
                            "output_tokens_per_s": tps, "preemptions": p, "most_running": r,
@@ -80,7 +85,8 @@ FRAME_AUTH = {"frame_auth": [
     {"frame": f, "payload_bytes": b, "seal_us": 2.0, "open_us": 2.5, "mac_total_us": 4.5,
      "encode_decode_us": 5.0, "mac_over_codec": 0.9} for f, b in (("READY small", 120),
                                                                   ("READY 1K blocks", 9000))]}
-SAMPLES = {"sparse_vllm": SPARSE_VLLM, "sparse_budget": SPARSE_BUDGET,
+SAMPLES = {"sparse_vllm": SPARSE_VLLM, "sparse_vllm_prefix": SPARSE_VLLM_PREFIX,
+           "sparse_budget": SPARSE_BUDGET,
            "e2e_layerwise": E2E_LAYERWISE, "connector_cost": CONNECTOR_COST,
            "kernels": KERNELS, "transport": TRANSPORT,
            "store_outage": STORE_OUTAGE, "frame_auth": FRAME_AUTH, "residency": RESIDENCY,
@@ -104,6 +110,7 @@ def _labelled(figure: object) -> None:
     (lambda d: _charts.pull_latency_figure({k: {**v, "samples_ms": [1.0, 2.0, 1.5]}
                                             for k, v in d["per_layer_pull"].items()}), E2E),
     (_charts.sparse_vllm_figure, SPARSE_VLLM),
+    (_charts.sparse_vllm_prefix_figure, SPARSE_VLLM_PREFIX),
     (_charts.sparse_budget_figure, SPARSE_BUDGET),
     (_charts.e2e_layerwise_figure, E2E_LAYERWISE),
     (_charts.e2e_layerwise_figure, {**E2E_LAYERWISE, "results": [  # run with --no-peer

@@ -14,16 +14,21 @@ What it does, end to end, with real components only:
 3. sends requests of mixed lengths (up to a few thousand tokens; streamed and not, completions
    and chat) one at a time to the plain vLLM and through the proxy to the P/D pair;
 4. checks that every P/D answer has exactly the tokens and logprobs of the plain answer. Why
-   they are bit-equal: vLLM-CPU turns prefix caching off for MLA models, so every engine steps
+   they are bit-equal: no two of these prompts share a block (each starts with its own
+   number), so no prefix-cache hit changes a step's shape; every engine steps
    through a prompt in chunks of one block (``--max-num-batched-tokens`` = block size), requests
    go one at a time, and the decode computes the prompt's tail (past the pulled full blocks) in
    the same step shape as the plain engine, over bit-identical KV; kvo's offload decode does the
    resident arithmetic on the rows it selects (tests/e2e/test_pd_dsa.py, test_dsa_offload.py);
-5. prints a report (also JSON and a one-page PNG summary): prefill device KV with and without
+5. sends a pair of requests sharing a 2-block prefix, one after the other, to the plain vLLM and
+   straight to the decode (its own offload mode, no P/D): the second is a vLLM prefix-cache hit
+   on both (kvo keeps vLLM's prefix cache on for the DSA model), counted on each server's
+   /metrics, and the decode's answers equal the plain ones exactly;
+6. prints a report (also JSON and a one-page PNG summary): prefill device KV with and without
    buffer reuse, decode device KV with and without offload, hit rate and bytes host -> device
    against a full reload, bytes pulled per part (main KV / indexer), per-layer pull time, TTFT
    and decode tokens/s against the plain run;
-6. stops everything it started (also on Ctrl-C or a failed check).
+7. stops everything it started (also on Ctrl-C or a failed check).
 
 Run it with ``nox -s demo`` (inside a loopback-only network namespace, which Mooncake needs)
 or as root with ``python tools/demo.py`` (it re-runs itself in such a namespace). Exit code 0:
@@ -71,6 +76,10 @@ TEXT = ("Disaggregated serving of a sparse-attention model: the prefill writes e
 # (prompt length in bytes ~ tokens, streamed?, chat?)
 REQUESTS = [(45, True, False), (257, False, False), (700, True, False), (1100, False, True),
             (1800, True, False), (3000, True, False)]
+PAIR_PREFIX = ("Shared system prompt of the prefix-caching pair: both requests start with these "
+               "bytes, so the second finds the first's full blocks in vLLM's prefix cache. "
+               "Answer briefly. ")
+PAIR_SUFFIXES = ("What does the decode copy to the device?", "What stays in the host pool?")
 OFFLOAD_SERIES = ("steps", "selected_entries", "hits", "misses", "h2d_bytes",
                   "full_reload_bytes")
 
@@ -210,6 +219,8 @@ def exercise(plain_url: str, proxy_url: str, decode_url: str, prefill_stats: Pat
     summary = report(reference, answers, plain_wall, pd_wall,
                      since(read_stats(prefill_stats), prefill_before),
                      since(read_stats(decode_stats), decode_before), offload)
+    say("prefix caching: a request pair sharing a prefix, to the plain vLLM and to the decode")
+    summary["prefix_pair"] = prefix_pair(plain_url, decode_url, failures)
     if offload["steps"] <= 0 or offload["selected_entries"] <= 0:
         failures.append(f"the decode's sparse offload counted no decode step ({offload}): the "
                         "answers did not go through the offload path")
@@ -226,8 +237,58 @@ def exercise(plain_url: str, proxy_url: str, decode_url: str, prefill_stats: Pat
             print(f"  - {line}", file=sys.stderr)
         return 1
     print(f"\nOK: all {len(batch)} P/D answers have exactly the tokens and logprobs of plain "
-          f"vLLM (resident, no connector).")
+          f"vLLM (resident, no connector); the prefix pair's second request was a prefix-cache "
+          f"hit on both servers and the decode answered it as the plain vLLM did.")
     return 0
+
+
+def prefix_cache_counters(url: str) -> tuple[float, float]:
+    """vLLM's ``vllm:prefix_cache_hits`` and ``vllm:prefix_cache_queries`` on ``url`` (tokens)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    totals = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        for name in totals:
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["hits"], totals["queries"]
+
+
+def prefix_pair(plain_url: str, decode_url: str, failures: list[str]) -> dict[str, Any]:
+    """Send the pair (``PAIR_PREFIX`` + each suffix, one at a time) to the plain vLLM and
+    straight to the decode; print and return each request's prefix-cache hit tokens; add to
+    ``failures`` where the second is not a hit on the prefix's full blocks, the first is one,
+    or the decode's answers differ from the plain ones."""
+    expected = len(PAIR_PREFIX.encode()) // BLOCK_SIZE * BLOCK_SIZE   # byte tokenizer
+    pair = [completion_body(PAIR_PREFIX + suffix, MAX_TOKENS, stream=False)
+            for suffix in PAIR_SUFFIXES]
+    result: dict[str, Any] = {"expected_hit_tokens": expected}
+    answers: dict[str, list[Answer]] = {}
+    for name, url in (("plain", plain_url), ("decode", decode_url)):
+        hits = []
+        answers[name] = []
+        for number, body in enumerate(pair, start=1):
+            before, _ = prefix_cache_counters(url)
+            answer = complete(url, body)
+            hits.append(int(prefix_cache_counters(url)[0] - before))
+            answers[name].append(answer)
+            if not answer.ok:
+                failures.append(f"prefix pair request {number} to the {name} vLLM failed: "
+                                f"{answer.error}")
+        result[f"{name}_hit_tokens"] = hits
+        print(f"prefix cache ({name:6}): request 1 hit {hits[0]} tokens, request 2 hit "
+              f"{hits[1]} tokens (the shared prefix's full blocks: {expected})")
+        if hits != [0, expected]:
+            failures.append(f"prefix pair on the {name} vLLM: hit tokens {hits}, expected "
+                            f"[0, {expected}] (the second request's shared full blocks)")
+    if not any(text.startswith("prefix pair") for text in failures):
+        for number, (plain, decode) in enumerate(zip(answers["plain"], answers["decode"],
+                                                     strict=True), start=1):
+            if (plain.token_ids, plain.logprobs) != (decode.token_ids, decode.logprobs):
+                failures.append(f"prefix pair request {number}: the decode (offload mode) "
+                                f"answered {list(decode.token_ids)}, the plain vLLM "
+                                f"{list(plain.token_ids)} (or their logprobs differ)")
+    return result
 
 
 SIZES = frozenset({"layout", "device_kv"})

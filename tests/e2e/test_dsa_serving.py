@@ -41,8 +41,11 @@ dsv32_model = e2e.dsv32_model_fixture("tiny-dsv32", num_layers=NUM_LAYERS,
 
 
 def _engine(model: Path, **extra: Any) -> Any:
+    # The prefix cache off: the same prompts twice are computed twice, in the same steps
+    # (test_dsa_prefix_cache.py shows the answers prefix-cache hits give).
     settings: dict[str, Any] = dict(max_model_len=1024, max_num_seqs=4,
-                                    max_num_batched_tokens=STEP_TOKENS)
+                                    max_num_batched_tokens=STEP_TOKENS,
+                                    enable_prefix_caching=False)
     return e2e.start_engine(model, **{**settings, **extra})   # extra may override these
 
 
@@ -245,19 +248,23 @@ def test_dense_models_keep_vllm_cpu_backends() -> None:
         CpuPlatform.get_attn_backend_cls(None, sparse)
 
 
+@pytest.mark.parametrize("prefix_caching", [None, True, False],
+                         ids=["prefix-cache-default", "prefix-cache-on", "prefix-cache-off"])
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 def test_engine_settings_do_not_depend_on_the_cpus_amx(engine_env: None, dsv32_model: Path,
-                                                        amx: bool,
+                                                        amx: bool, prefix_caching: bool | None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM-CPU keeps its prefix cache (and chunked prefill) for MLA only on CPUs with AMX
-    tiles; kvo's platform gives a sparse model the same settings on both kinds of CPU."""
+    tiles; kvo's platform gives a sparse model the same settings on both kinds of CPU: the
+    prefix cache as the user set it (vLLM's default: on), chunked prefill and its budget kept."""
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    user = {} if prefix_caching is None else {"enable_prefix_caching": prefix_caching}
     config = EngineArgs(model=str(dsv32_model), dtype="float32", enforce_eager=True,
                         max_model_len=1024, max_num_batched_tokens=STEP_TOKENS,
-                        enable_prefix_caching=True).create_engine_config()
-    assert config.cache_config.enable_prefix_caching is False
+                        **user).create_engine_config()
+    assert config.cache_config.enable_prefix_caching is (prefix_caching is not False)
     assert config.cache_config.block_size == 64
     assert config.scheduler_config.enable_chunked_prefill is True
     assert config.scheduler_config.max_num_batched_tokens == STEP_TOKENS

