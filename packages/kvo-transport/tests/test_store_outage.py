@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvo_transport.circuit_breaker import BreakerState
-from kvo_transport.errors import StoreUnavailableError
+from kvo_transport.errors import StoreLeaseHeldError, StoreUnavailableError
 from kvo_transport.mooncake_master import MooncakeMaster
 from kvo_transport.mooncake_store import MooncakeKVStore
 from kvo_transport.store import create_kv_store
@@ -192,5 +192,25 @@ def test_a_frozen_master_opens_the_breaker_before_any_call(memory: int) -> None:
         assert store.breaker.state is BreakerState.CLOSED
     finally:
         os.kill(master.pid, signal.SIGCONT)
+        store.close()
+        master.stop()
+
+
+def test_a_remove_that_gives_up_on_a_read_lease_is_no_outage(memory: int) -> None:
+    """The master answers every try of the remove with OBJECT_HAS_LEASE: the remove fails after
+    remove_timeout_s (longer than the breaker's slow-call bound), but the breaker stays closed."""
+    master = MooncakeMaster(default_kv_lease_ttl_ms=4000).start()
+    store = create_kv_store("mooncake", master_address=master.address, remove_timeout_s=1.5)
+    assert isinstance(store, MooncakeKVStore)
+    try:
+        store.register(memory, 1 << 20)
+        store.put_from(["leased"], [memory], [BLOCK])
+        assert store.get_into(["leased"], [memory + BLOCK], [BLOCK]) == [True]  # a read lease
+        took, error = timed(lambda: store.remove(["leased"]))
+        assert isinstance(error, StoreLeaseHeldError), error
+        assert "read lease" in str(error) and took > store.breaker.slow_call_s
+        assert store.breaker.state is BreakerState.CLOSED and store.breaker.times_opened == 0
+        assert store.exists(["leased"]) == [True]  # not removed, and calls still go through
+    finally:
         store.close()
         master.stop()

@@ -2,7 +2,9 @@
 
 Mooncake's plain put keeps an existing key's old value, so put_from uses the upsert call.
 Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
-because forcing could pull a value from under a concurrent reader.
+because forcing could pull a value from under a concurrent reader. A remove that gives up on a
+lease (``remove_timeout_s``, shorter than the master's lease TTL) raises StoreLeaseHeldError,
+which the circuit breaker does not count as an outage: the master answered every try.
 
 A master that is down makes calls fail with RPC_FAIL; one that is frozen (its connections still
 accepted) makes each call wait for the client's RPC timeout (30 s). Every call is therefore
@@ -31,7 +33,12 @@ from kvo_core.config import MIN_SEGMENT_BYTES, MOONCAKE_PROTOCOLS  # one owner: 
 from kvo_core.errors import ConfigError
 from kvo_transport.bounded_calls import DEFAULT_CALL_TIMEOUT_S, check_call_timeout
 from kvo_transport.buffer_store import BufferStore, guarded
-from kvo_transport.errors import StoreError, StoreUnavailableError, backend_unavailable
+from kvo_transport.errors import (
+    StoreError,
+    StoreLeaseHeldError,
+    StoreUnavailableError,
+    backend_unavailable,
+)
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
 
 # Mooncake Store ErrorCode values (mooncake-store/include/types.h) that kvo reports by name.
@@ -81,6 +88,8 @@ class MooncakeStoreOptions:
     protocol: str = "tcp"
     rdma_devices: str = ""
     remove_timeout_s: float = 5.0
+    """How long remove() waits out keys' read leases before it gives up on them
+    (StoreLeaseHeldError, not an outage). mooncake_master's own default lease TTL is 10 s."""
     health_probe_interval_s: float = 0.25
     """How often the master is probed (a TCP connect, then a bounded RPC); 0: no probe."""
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
@@ -255,9 +264,10 @@ class MooncakeKVStore(BufferStore):
             if failed:
                 raise _error(codes)(f"Mooncake remove failed for keys {failed}")
             if leased and time.monotonic() > deadline:
-                raise StoreError(
+                raise StoreLeaseHeldError(
                     f"Mooncake remove: keys {leased} still hold a read lease after "
-                    f"{self.options.remove_timeout_s} s"
+                    f"{self.options.remove_timeout_s} s (remove_timeout_s; the master's lease "
+                    f"TTL is longer?): not removed"
                 )
             pending = leased
             if pending:
