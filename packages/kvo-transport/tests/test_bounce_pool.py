@@ -76,7 +76,7 @@ def test_a_given_up_call_keeps_its_buffer_until_it_returns_and_the_free_pool_kee
     assert late_wrote.is_set() and calls.late_returns == 3
     assert calls.busy_bytes == 0
     assert calls.free_bytes <= 2 * MIN_BOUNCE_BYTES
-    assert calls.released >= 1 and len(registered) == 1
+    assert calls.released >= 1 and len(registered) == len(sizes) - calls.released
     assert ctypes.string_at(memory, 16) == bytes(16)  # the caller's memory was never written
 
     calls.close(client_closes=True)

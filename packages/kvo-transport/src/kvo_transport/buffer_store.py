@@ -30,12 +30,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvo_transport.bounded_calls import BoundedCalls
 from kvo_transport.circuit_breaker import BreakerState, CircuitBreaker, HealthWatcher, Probe
-from kvo_transport.errors import (
-    StoreArgumentError,
-    StoreError,
-    StoreLeaseHeldError,
-    StoreUnavailableError,
-)
+from kvo_transport.errors import StoreArgumentError, StoreError, StoreUnavailableError
 from kvo_transport.region_owner import RegionOwner
 from kvo_transport.regions import MemoryRegion, RegionRegistry
 
@@ -67,7 +62,7 @@ def guarded(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_
         except StoreUnavailableError as error:
             breaker.on_failure(str(error))
             raise
-        except (StoreArgumentError, StoreLeaseHeldError):  # the service answered: no outage
+        except StoreArgumentError:
             breaker.on_neutral()
             raise
         except Exception as error:
