@@ -540,9 +540,11 @@ def main(argv: list[str] | None = None) -> int:
     for moment in ("start", "end"):
         prints = result["footprints"].get(moment, {})
         for name, engine in prints.get("engines", {}).items():
-            print(f"{moment + ' ' + name:<28}RSS {engine['rss_bytes'] / 2**20:8.0f} MiB, "
-                  f"{len(engine['shm_files'])} /dev/shm files ({engine['shm_bytes'] / 2**20:.0f} "
-                  f"MiB)")
+            kinds = ", ".join(f"{kind} {engine.get(f'rss_{kind}_bytes', 0) / 2**20:.0f}"
+                              for kind in ("anon", "file", "shmem"))
+            print(f"{moment + ' ' + name:<28}RSS {engine['rss_bytes'] / 2**20:8.0f} MiB "
+                  f"({kinds}), {len(engine['shm_files'])} /dev/shm files "
+                  f"({engine['shm_bytes'] / 2**20:.0f} MiB)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     bad = (result["wrong"] + result["hung"] + result["crashes"]

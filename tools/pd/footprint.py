@@ -31,14 +31,23 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(pids)
 
 
-def _rss_bytes(pid: int) -> int:
+RSS_FIELDS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "RssFile": "rss_file_bytes",
+              "RssShmem": "rss_shmem_bytes"}
+"""/proc/PID/status fields summed per group: all resident memory, and its three kinds
+(anonymous: heaps, the store segment; file: mapped libraries and weights, faulted in as code
+paths are first used; shmem: shared anonymous memory such as kvo's bounce buffers)."""
+
+
+def _rss(pid: int) -> dict[str, int]:
+    found = dict.fromkeys(RSS_FIELDS.values(), 0)
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            name = line.split(":", 1)[0]
+            if name in RSS_FIELDS:
+                found[RSS_FIELDS[name]] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return found
 
 
 def _shm_paths(pid: int) -> set[str]:
@@ -65,8 +74,8 @@ def _shm_paths(pid: int) -> set[str]:
 
 
 def footprint(pgid: int) -> dict[str, Any]:
-    """{pids, rss_bytes (summed over the group: shared pages count once per process),
-    shm_files (sorted paths), shm_bytes (sizes of those still linked)}."""
+    """{pids, rss_bytes and its kinds (RSS_FIELDS; summed over the group: shared pages count
+    once per process), shm_files (sorted paths), shm_bytes (sizes of those still linked)}."""
     pids = group_pids(pgid)
     shm: set[str] = set()
     for pid in pids:
@@ -77,8 +86,11 @@ def footprint(pgid: int) -> dict[str, Any]:
             size += os.stat(path).st_size
         except OSError:
             pass  # unlinked (" (deleted)") or gone
-    return {"pgid": pgid, "pids": len(pids), "rss_bytes": sum(map(_rss_bytes, pids)),
-            "shm_files": sorted(shm), "shm_bytes": size}
+    rss = dict.fromkeys(RSS_FIELDS.values(), 0)
+    for pid in pids:
+        for key, value in _rss(pid).items():
+            rss[key] += value
+    return {"pgid": pgid, "pids": len(pids), **rss, "shm_files": sorted(shm), "shm_bytes": size}
 
 
 def shm_listing() -> dict[str, Any]:

@@ -11,6 +11,7 @@ import ctypes
 import mmap
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvo_transport.circuit_breaker import BreakerState
-from kvo_transport.errors import StoreUnavailableError
+from kvo_transport.errors import StoreLeaseHeldError, StoreUnavailableError
 from kvo_transport.mooncake_master import MooncakeMaster
 from kvo_transport.mooncake_store import MooncakeKVStore
 from kvo_transport.store import create_kv_store
@@ -189,6 +190,61 @@ def test_a_frozen_master_opens_the_breaker_before_any_call(memory: int) -> None:
         os.kill(master.pid, signal.SIGCONT)
         wait_state(store, BreakerState.HALF_OPEN)
         store.put_from(["x"], [memory], [BLOCK])
+        assert store.breaker.state is BreakerState.CLOSED
+    finally:
+        os.kill(master.pid, signal.SIGCONT)
+        store.close()
+        master.stop()
+
+
+def test_a_remove_that_gives_up_on_a_read_lease_is_no_outage(memory: int) -> None:
+    """The master answers every try of the remove with OBJECT_HAS_LEASE: the remove fails after
+    remove_timeout_s (longer than the breaker's slow-call bound), but the breaker stays closed."""
+    master = MooncakeMaster(default_kv_lease_ttl_ms=4000).start()
+    store = create_kv_store("mooncake", master_address=master.address, remove_timeout_s=1.5)
+    assert isinstance(store, MooncakeKVStore)
+    try:
+        store.register(memory, 1 << 20)
+        store.put_from(["leased"], [memory], [BLOCK])
+        assert store.get_into(["leased"], [memory + BLOCK], [BLOCK]) == [True]  # a read lease
+        took, error = timed(lambda: store.remove(["leased"]))
+        assert isinstance(error, StoreLeaseHeldError), error
+        assert "read lease" in str(error) and took > store.breaker.slow_call_s
+        assert store.breaker.state is BreakerState.CLOSED and store.breaker.times_opened == 0
+        assert store.exists(["leased"]) == [True]  # not removed, and calls still go through
+    finally:
+        store.close()
+        master.stop()
+
+
+def test_a_remove_waiting_out_a_lease_holds_no_half_open_trial(memory: int) -> None:
+    """After a frozen master wakes up, the half-open breaker's trial call may be a remove of a
+    leased key. Its first try is answered (OBJECT_HAS_LEASE): that closes the breaker, and
+    other calls go through while it waits out the lease, instead of failing fast for
+    remove_timeout_s."""
+    master = MooncakeMaster(default_kv_lease_ttl_ms=6000).start()
+    store = create_kv_store("mooncake", master_address=master.address, remove_timeout_s=4.0)
+    assert isinstance(store, MooncakeKVStore) and master.pid is not None
+    try:
+        store.register(memory, 1 << 20)
+        store.put_from(["leased", "other"], [memory, memory], [BLOCK, BLOCK])
+        assert store.get_into(["leased"], [memory + BLOCK], [BLOCK]) == [True]  # a read lease
+        os.kill(master.pid, signal.SIGSTOP)
+        wait_state(store, BreakerState.OPEN, timeout_s=3.0)
+        os.kill(master.pid, signal.SIGCONT)
+        wait_state(store, BreakerState.HALF_OPEN)
+
+        removal: list[BaseException | None] = []
+        remover = threading.Thread(target=lambda: removal.append(timed(
+            lambda: store.remove(["leased"]))[1]))
+        remover.start()  # the trial call
+        time.sleep(0.3)
+        _, error = timed(lambda: store.get_into(["other"], [memory + 2 * BLOCK], [BLOCK]))
+        assert error is None, error  # not failed fast behind the remove's lease wait
+        assert store.breaker.state is BreakerState.CLOSED
+        assert remover.is_alive()  # still waiting out the lease meanwhile
+        remover.join(10)
+        assert removal and (removal[0] is None or isinstance(removal[0], StoreLeaseHeldError))
         assert store.breaker.state is BreakerState.CLOSED
     finally:
         os.kill(master.pid, signal.SIGCONT)

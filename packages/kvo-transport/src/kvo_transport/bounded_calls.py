@@ -14,6 +14,12 @@ before the call, so whatever it stores, however late, is the bytes the caller as
 bounce buffer whose call was abandoned goes back to the pool only once that call returned.
 The price is one memory copy per call; ``timeout_s`` 0 calls the client directly (unbounded).
 
+The pool keeps at most ``max_pooled_bytes`` of free bounce memory: a buffer given back beyond
+that (after a burst of concurrent calls, or the late return of calls abandoned while a master
+was frozen, each of which made the next call map a buffer of its own) is unregistered and
+unmapped, least recently used first. Only a buffer whose call returned is ever given back, so
+nothing a late call may still write is unmapped.
+
 Calls that touch no memory (exists, remove) only run in the worker. ``running`` counts the
 calls still inside the client: a client with calls running must not be closed (its owner
 abandons it instead, see buffer_store.py).
@@ -44,6 +50,9 @@ _R = TypeVar("_R")
 DEFAULT_CALL_TIMEOUT_S = 0.75
 MAX_CALL_TIMEOUT_S = 600.0
 MIN_BOUNCE_BYTES = 1 << 20
+MAX_POOLED_BYTES = 64 << 20
+"""Free bounce memory kept for later calls at most (one batched put of the default 64 MiB
+layerwise save staging fits)."""
 MAX_WORKERS = 64
 """Worker threads at most; abandoned calls hold theirs until they return (the circuit breaker
 stops new calls meanwhile)."""
@@ -77,21 +86,32 @@ class BoundedCalls:
     """Run one store client's calls in worker threads, each waited for at most ``timeout_s``.
 
     ``register`` / ``unregister`` register bounce memory with the client (return code 0 on
-    success). ``name`` names the store in errors and logs.
+    success). ``name`` names the store in errors and logs. ``max_pooled_bytes``: free bounce
+    memory kept for later calls at most.
     """
 
     def __init__(self, name: str, timeout_s: float, register: Callable[[int, int], int],
-                 unregister: Callable[[int, int], int]) -> None:
+                 unregister: Callable[[int, int], int],
+                 max_pooled_bytes: int = MAX_POOLED_BYTES) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
                 or not timeout_s >= 0:
             raise ValueError(f"timeout_s must be >= 0 seconds (0: unbounded), got {timeout_s!r}")
+        if isinstance(max_pooled_bytes, bool) or not isinstance(max_pooled_bytes, int) \
+                or max_pooled_bytes < 0:
+            raise ValueError(f"max_pooled_bytes must be an int >= 0, got {max_pooled_bytes!r}")
+        self.max_pooled_bytes = max_pooled_bytes
         self.name = name
         self.timeout_s = float(timeout_s)
         self._register = register
         self._unregister = unregister
         self._lock = threading.Lock()
         self._free: list[_Bounce] = []
+        """Buffers no call holds, least recently given back first."""
         self._busy: set[_Bounce] = set()
+        self._stranded: list[_Bounce] = []
+        """Buffers the client would not unregister: kept mapped for good."""
+        self.released = 0
+        """Bounce buffers unmapped because the free pool was full, over this object's life."""
         self.running = 0
         """Calls inside the client now, abandoned ones included (under _lock)."""
         self.abandoned = 0
@@ -210,11 +230,48 @@ class BoundedCalls:
             self._busy.add(bounce)
         return bounce
 
-    def _give_back(self, bounce: _Bounce) -> None:
+    @property
+    def free_bytes(self) -> int:
+        """Bounce memory no call holds (kept for later calls)."""
         with self._lock:
-            if bounce in self._busy:
-                self._busy.remove(bounce)
-                self._free.append(bounce)
+            return sum(b.capacity for b in self._free)
+
+    @property
+    def busy_bytes(self) -> int:
+        """Bounce memory held by calls, abandoned ones that have not returned included."""
+        with self._lock:
+            return sum(b.capacity for b in self._busy)
+
+    def _give_back(self, bounce: _Bounce) -> None:
+        """``bounce``'s call returned: pool it, and unmap the least recently used free buffers
+        beyond ``max_pooled_bytes``."""
+        excess: list[_Bounce] = []
+        with self._lock:
+            if bounce not in self._busy:
+                return
+            self._busy.remove(bounce)
+            self._free.append(bounce)
+            pooled = sum(b.capacity for b in self._free)
+            while pooled > self.max_pooled_bytes:
+                oldest = self._free.pop(0)
+                pooled -= oldest.capacity
+                excess.append(oldest)
+            self.released += len(excess)
+        for extra in excess:
+            self._release(extra)
+
+    def _release(self, bounce: _Bounce) -> None:
+        """Unregister and unmap a buffer no call holds or will touch again."""
+        rc = self._unregister(bounce.ptr, bounce.capacity)
+        if rc != 0:
+            log.warning("%s: unregistering %d bytes of bounce memory failed with code %d; it "
+                        "stays mapped (the client may still list it)", self.name,
+                        bounce.capacity, rc)
+            with self._lock:
+                self._stranded.append(bounce)
+            return
+        bounce.anchor = None
+        bounce.memory.close()
 
     def close(self, client_closes: bool) -> None:
         """Stop taking calls. ``client_closes``: the client is closed next (no call is running),
@@ -227,9 +284,7 @@ class BoundedCalls:
         with self._lock:
             pool, self._free = self._free, []
         for bounce in pool:
-            self._unregister(bounce.ptr, bounce.capacity)
-            bounce.anchor = None
-            bounce.memory.close()
+            self._release(bounce)
 
 
 class _Workers:

@@ -22,6 +22,11 @@ class StoreUnavailableError(StoreError):
     by the store's circuit breaker without reaching it."""
 
 
+class StoreLeaseHeldError(StoreError):
+    """A remove gave up on keys that still held a read lease: the store answered every try, so
+    this is no outage (the circuit breaker does not count it)."""
+
+
 class StoreArgumentError(StoreError, ValueError):
     """A KV-store request was refused before reaching the store (bad keys, ranges, sizes)."""
 

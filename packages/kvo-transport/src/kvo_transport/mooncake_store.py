@@ -2,7 +2,10 @@
 
 Mooncake's plain put keeps an existing key's old value, so put_from uses the upsert call.
 Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
-because forcing could pull a value from under a concurrent reader.
+because forcing could pull a value from under a concurrent reader. A remove that gives up on a
+lease (``remove_timeout_s``, shorter than the master's lease TTL) raises StoreLeaseHeldError,
+which the circuit breaker does not count as an outage: the master answered every try (each try
+is a breaker call of its own, see ``remove``).
 
 A master that is down makes calls fail with RPC_FAIL; one that is frozen (its connections still
 accepted) makes each call wait for the client's RPC timeout (30 s). Every call is therefore
@@ -31,7 +34,12 @@ from kvo_core.config import MIN_SEGMENT_BYTES, MOONCAKE_PROTOCOLS  # one owner: 
 from kvo_core.errors import ConfigError
 from kvo_transport.bounded_calls import DEFAULT_CALL_TIMEOUT_S, check_call_timeout
 from kvo_transport.buffer_store import BufferStore, guarded
-from kvo_transport.errors import StoreError, StoreUnavailableError, backend_unavailable
+from kvo_transport.errors import (
+    StoreError,
+    StoreLeaseHeldError,
+    StoreUnavailableError,
+    backend_unavailable,
+)
 from kvo_transport.keyed_batch import check_keyed_batch, check_keys
 
 # Mooncake Store ErrorCode values (mooncake-store/include/types.h) that kvo reports by name.
@@ -81,6 +89,8 @@ class MooncakeStoreOptions:
     protocol: str = "tcp"
     rdma_devices: str = ""
     remove_timeout_s: float = 5.0
+    """How long remove() waits out keys' read leases before it gives up on them
+    (StoreLeaseHeldError, not an outage). mooncake_master's own default lease TTL is 10 s."""
     health_probe_interval_s: float = 0.25
     """How often the master is probed (a TCP connect, then a bounded RPC); 0: no probe."""
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
@@ -238,31 +248,41 @@ class MooncakeKVStore(BufferStore):
             raise _error(codes)(f"Mooncake exists() could not query keys {failed}")
         return [c == 1 for c in codes]
 
-    @guarded
     def remove(self, keys: Sequence[str]) -> None:
-        store = self._client()
+        """Remove ``keys``, waiting out read leases for up to ``remove_timeout_s``.
+
+        Each try is a store call of its own through the circuit breaker, so a try the master
+        answers with OBJECT_HAS_LEASE counts as an answer (it closes a half-open breaker),
+        and the wait between tries holds no breaker trial: a half-open breaker's trial that
+        waited out a lease would fail every other call fast meanwhile. Giving up on a lease
+        (StoreLeaseHeldError) is no outage."""
         pending = check_keys(keys)
         deadline = time.monotonic() + self.options.remove_timeout_s
         while pending:
-            codes = self._calls.call(f"remove of {len(pending)} keys",
-                                     functools.partial(store.batch_remove, pending))
-            leased = [k for k, c in zip(pending, codes, strict=True) if c == OBJECT_HAS_LEASE]
-            failed = {
-                k: error_name(c)
-                for k, c in zip(pending, codes, strict=True)
-                if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)
-            }
-            if failed:
-                raise _error(codes)(f"Mooncake remove failed for keys {failed}")
-            if leased and time.monotonic() > deadline:
-                raise StoreError(
-                    f"Mooncake remove: keys {leased} still hold a read lease after "
-                    f"{self.options.remove_timeout_s} s"
+            pending = self._remove_once(pending)
+            if pending and time.monotonic() > deadline:
+                raise StoreLeaseHeldError(
+                    f"Mooncake remove: keys {pending} still hold a read lease after "
+                    f"{self.options.remove_timeout_s} s (remove_timeout_s; the master's lease "
+                    f"TTL is longer?): not removed"
                 )
-            pending = leased
             if pending:
                 time.sleep(0.02)
 
+    @guarded
+    def _remove_once(self, keys: list[str]) -> list[str]:
+        """One batch_remove; the keys that still hold a read lease."""
+        store = self._client()
+        codes = self._calls.call(f"remove of {len(keys)} keys",
+                                 functools.partial(store.batch_remove, keys))
+        failed = {
+            k: error_name(c)
+            for k, c in zip(keys, codes, strict=True)
+            if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)
+        }
+        if failed:
+            raise _error(codes)(f"Mooncake remove failed for keys {failed}")
+        return [k for k, c in zip(keys, codes, strict=True) if c == OBJECT_HAS_LEASE]
 
 PROBE_TIMEOUT_S = 0.5
 PROBE_KEY = "kvo/health-probe"

@@ -1,0 +1,35 @@
+"""The soak's footprint splits each engine's resident memory by kind (tools/pd/footprint.py), so
+a growth over a soak says whether heaps, mapped files or shared memory grew."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pd.footprint import footprint
+
+CHILD = """
+import mmap, sys
+shared = mmap.mmap(-1, 64 << 20)      # shared anonymous memory, as kvo's bounce buffers
+shared.write(b"x" * (64 << 20))
+private = bytearray(b"y" * (32 << 20))  # anonymous heap memory
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_footprint_counts_shared_and_anonymous_memory_of_the_group_apart() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        seen = footprint(os.getpgid(child.pid))
+        assert seen["pids"] == 1
+        assert seen["rss_shmem_bytes"] >= 64 << 20
+        assert seen["rss_anon_bytes"] >= 32 << 20
+        assert seen["rss_bytes"] == (seen["rss_anon_bytes"] + seen["rss_file_bytes"]
+                                     + seen["rss_shmem_bytes"])
+    finally:
+        child.kill()
+        child.wait()
