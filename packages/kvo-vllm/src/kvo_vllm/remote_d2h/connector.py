@@ -11,10 +11,11 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 or 2 and decode TP 1 and without
-speculative decoding (decode TP > 1 and speculative decoding are refused at start-up until
-shown to work); a decode with vLLM data parallelism is refused too (the proxy does not yet
-learn which DP rank took a request).
+(``pool_destination``). DSA layouts run with prefill TP 1 or 2, decode TP 1, or decode TP 2
+in offload mode (the TP ranks pull disjoint parts of the main KV into their shared host pool),
+and without speculative decoding (resident-mode decode TP > 1 and speculative decoding are
+refused at start-up until shown to work); a decode with vLLM data parallelism is refused too
+(the proxy does not yet learn which DP rank took a request).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -69,7 +70,7 @@ from kvo_vllm.remote_d2h.options import RemoteD2HOptions
 from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_destination
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
-from kvo_vllm.remote_d2h.stats_file import StatsFile
+from kvo_vllm.remote_d2h.stats_file import StatsFile, rank_stats_path
 from kvo_vllm.remote_d2h.switch_interval import shorten_switch_interval
 from kvo_vllm.vllm_logging import join_vllm_logging
 from kvo_vllm.vllm_version import require_supported_vllm
@@ -93,6 +94,12 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
         raise ConfigError(f"RemoteD2HConnector supports models with one KV-cache group (dense "
                           f"attention); this model has {len(groups)}")
     return int(groups[0].kv_cache_spec.block_size)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None
@@ -168,8 +175,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
                                            engine_wrapper=(
                                                None if self.options.engine_wrapper is None
                                                else self.options.engine_wrapper.load()))
-        self._stats = StatsFile(self.options.stats_file if role == KVConnectorRole.WORKER
-                                else None, self.snapshot)
+        self._stats = StatsFile(rank_stats_path(self.options.stats_file, _tp_rank())
+                                if role == KVConnectorRole.WORKER else None, self.snapshot)
         self._metric_deltas = CounterDeltas()
         logger.info("kvo RemoteD2HConnector (%s, %s)", role.name, transfer.kv_role)
 

@@ -35,7 +35,7 @@ import torch
 from kvo_core.buffer_regions import INDEXER_PART, MAIN_PART
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
-from kvo_core.tp import control_port
+from kvo_core.tp import MainShare, control_port
 from kvo_transport.control import (
     DecodeLayout,
     DecodeReceiver,
@@ -152,10 +152,7 @@ class DecodePuller:
         DSA offload backend's host pool when ``find_pool`` finds one) and indexer cache."""
         layout = describe_kv_caches(kv_caches)
         pool = None if find_pool is None else find_pool(kv_caches, layout)
-        if layout.has_indexer and self.tp_size > 1:
-            raise ConfigError(
-                f"RemoteD2H receives DSA layouts (main KV + indexer caches) on decode TP 1 only "
-                f"so far; this decode runs TP {self.tp_size}")
+        refuse_untested_dsa_decode_tp(layout.has_indexer, pool is not None, self.tp_size)
         self._pool = pool
         self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
@@ -197,7 +194,10 @@ class DecodePuller:
         wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
         self._engine = GuardedEngine(wrapped, regions)
         self._receiver = DecodeReceiver(
-            engine=self._engine, layout=DecodeLayout(dest_layers), resolve=self._resolve,
+            engine=self._engine,
+            layout=DecodeLayout(dest_layers, main_share=main_share(pool, self.tp_rank,
+                                                                   self.tp_size)),
+            resolve=self._resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
             retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
@@ -408,6 +408,7 @@ class DecodePuller:
         per_part = {} if engine is None else {
             part: attrs.asdict(stats) for part, stats in sorted(engine.per_part.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
+                "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
                 "main_into_host_pool": self._pool is not None,
                 "device_kv": dict(self._device_kv),
@@ -429,6 +430,30 @@ class DecodePuller:
         self._notifier.close()
         if self._engine is not None:
             self._engine.close()
+
+
+def refuse_untested_dsa_decode_tp(has_indexer: bool, into_host_pool: bool,
+                                  tp_size: int) -> None:
+    """ConfigError for a DSA decode at TP > 1 whose main KV stays in vLLM's cache (resident
+    mode): each rank would pull its own full copy, which no test here runs. A DSA decode at
+    TP > 1 in offload mode (main KV into the DP rank's shared host pool) is tested at TP 2."""
+    if has_indexer and tp_size > 1 and not into_host_pool:
+        raise ConfigError(
+            f"RemoteD2H receives a DSA model (main KV + indexer caches) on a decode with TP "
+            f"{tp_size} only in kvo's offload mode (main KV into the DP rank's shared host "
+            f"pool); resident mode (main KV in vLLM's cache) at decode TP > 1 is not tested: "
+            f"set additional_config kvo_sparse.mode='offload' or run the decode at TP 1")
+
+
+def main_share(pool: PoolDestination | None, tp_rank: int, tp_size: int) -> MainShare:
+    """Which part of each chunk's main KV this rank pulls (:class:`kvo_core.tp.MainShare`).
+
+    Into the DP rank's shared host pool the TP ranks pull disjoint parts, so the prompt's
+    replicated main KV is written once per DP rank and the traffic is spread over the ranks'
+    engines (vllm-ascend's choice too); rank 0 pulling everything would write it once as well
+    but put every main byte on one rank's engine. Into vLLM's own cache (one per rank) a rank
+    needs the whole main KV."""
+    return MainShare() if pool is None else MainShare(tp_size, tp_rank)
 
 
 def _wrapper_snapshot(engine: GuardedEngine | None) -> dict[str, object]:
