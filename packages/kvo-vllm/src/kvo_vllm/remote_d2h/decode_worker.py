@@ -193,10 +193,9 @@ class DecodePuller:
         self._raw = raw
         wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
         self._engine = GuardedEngine(wrapped, regions)
+        share = main_share(pool, self.tp_rank, self.tp_size)
         self._receiver = DecodeReceiver(
-            engine=self._engine,
-            layout=DecodeLayout(dest_layers, main_share=main_share(pool, self.tp_rank,
-                                                                   self.tp_size)),
+            engine=self._engine, layout=DecodeLayout(dest_layers, main_share=share),
             resolve=self._resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
@@ -206,7 +205,10 @@ class DecodePuller:
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
                     "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
                     layout.layers[0].main.shape[0],
-                    "main KV into the host pool" if pool is not None else "main KV",
+                    ("main KV into the host pool" if pool is None or share.sharers == 1 else
+                     f"main KV into the host pool shared by {share.sharers} TP ranks (this "
+                     f"rank pulls part {share.rank} of each chunk)")
+                    if pool is not None else "main KV",
                     " + indexer" if layout.has_indexer else "", self._receiver.endpoint,
                     raw.session_id)
 
