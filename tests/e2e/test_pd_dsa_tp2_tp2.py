@@ -82,36 +82,48 @@ def _set_faults(deployment: e2e.PDDeployment, tp_rank: int, faults: dict[str, An
     (deployment.workdir / f"faults-{tp_rank}.json").write_text(json.dumps(faults))
 
 
+def _recomputed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
+    """Whether a rank gave a pull up since ``before`` (vLLM then recomputed the request)."""
+    return any(a.get("failed", 0) > b.get("failed", 0) for a, b in zip(after, before,
+                                                                        strict=True))
+
+
 def test_tp2_prefill_feeds_a_tp2_decode_sharing_one_pool(
         deployment: e2e.PDDeployment) -> None:
     """Answers equal the decode's own exactly (tokens and logprobs: both sides compute the KV at
-    TP 2). Per decode rank: main bytes = its share of the full prompt blocks (rank 0 the even
-    blocks, rank 1 the odd ones: together every block once), indexer bytes = every full block."""
+    TP 2). Per request and decode rank: main bytes = its share of the full prompt blocks (rank
+    0 the even blocks, rank 1 the odd ones: together every block once), indexer bytes = every
+    full block. On a 2-CPU host two TP 2 engines can starve a pull past its layer deadline
+    (test_pd_dsa_tp2.py): that request is recomputed to the same answer (checked) and its bytes
+    are not; at least two requests must be pulled cleanly by both ranks."""
     from pd.prompts import tagged_prompt
 
-    before = _ranks_stats(deployment)
-    cases = [("golf", 257), ("india", 200)]
-    for tag, length in cases:
+    checked = 0
+    for tag, length in [("golf", 257), ("hotel", 140), ("india", 200)]:
         prompt = tagged_prompt(tag, length)
         want = _complete(deployment.decode, prompt)
         assert want.ok, (tag, want.error)
+        before = _ranks_stats(deployment)
         got = _complete(deployment.proxy, prompt)
         assert got.ok, (tag, got.error)
         assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), tag
-    after = _ranks_stats(deployment, [_ended(s) + len(cases) for s in before])
-    for rank in range(2):
-        assert after[rank]["tp_rank"] == rank and after[rank]["main_into_host_pool"], after
-        assert after[rank]["received"] - before[rank].get("received", 0) == len(cases), after
-        assert after[rank].get("failed", 0) == before[rank].get("failed", 0), after
-    full_blocks = [(length - 1) // BLOCK_SIZE for _, length in cases]
-    shares = [sum((n + 1) // 2 for n in full_blocks), sum(n // 2 for n in full_blocks)]
-    kv = [_part_bytes(a, "kv") - _part_bytes(b, "kv") for a, b in zip(after, before, strict=True)]
-    idx = [_part_bytes(a, "idx") - _part_bytes(b, "idx")
-           for a, b in zip(after, before, strict=True)]
-    block_kv = BLOCK_SIZE * ROW_BYTES * NUM_LAYERS
-    assert kv == [share * block_kv for share in shares], (kv, shares)
-    assert sum(kv) == sum(full_blocks) * block_kv  # the main KV once per DP rank
-    assert idx == [sum(full_blocks) * BLOCK_SIZE * INDEXER_ROW_BYTES * NUM_LAYERS] * 2
+        after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+        for rank in range(2):
+            assert after[rank]["tp_rank"] == rank and after[rank]["main_into_host_pool"], after
+            assert _ended(after[rank]) == _ended(before[rank]) + 1, (tag, rank, after[rank])
+        if _recomputed(before, after):
+            continue
+        full = (length - 1) // BLOCK_SIZE
+        kv = [_part_bytes(a, "kv") - _part_bytes(b, "kv")
+              for a, b in zip(after, before, strict=True)]
+        idx = [_part_bytes(a, "idx") - _part_bytes(b, "idx")
+               for a, b in zip(after, before, strict=True)]
+        block_kv = BLOCK_SIZE * ROW_BYTES * NUM_LAYERS
+        assert kv == [(full + 1) // 2 * block_kv, full // 2 * block_kv], (tag, kv)
+        assert sum(kv) == full * block_kv  # the main KV once per DP rank
+        assert idx == [full * BLOCK_SIZE * INDEXER_ROW_BYTES * NUM_LAYERS] * 2, (tag, idx)
+        checked += 1
+    assert checked >= 2, f"only {checked} request(s) pulled without a recompute"
 
 
 def test_a_corrupted_main_pull_on_rank_1_changes_the_answer(
@@ -121,17 +133,21 @@ def test_a_corrupted_main_pull_on_rank_1_changes_the_answer(
     pool that the attention reads. With the fault off again the answer is right."""
     from pd.prompts import tagged_prompt
 
-    prompt = tagged_prompt("kilo", 257)
-    want = _complete(deployment.decode, prompt)
-    assert want.ok, want.error
-    before = _ranks_stats(deployment)
-    _set_faults(deployment, 1, {"corrupt_reads": True, "corrupt_part": "kv"})
-    try:
-        got = _complete(deployment.proxy, prompt)
-    finally:
-        _set_faults(deployment, 1, {})
-    assert got.ok, got.error
-    after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+    for tag in ("kilo", "juliett"):  # a second prompt if a pull was starved (recomputed)
+        prompt = tagged_prompt(tag, 257)
+        want = _complete(deployment.decode, prompt)
+        assert want.ok, want.error
+        before = _ranks_stats(deployment)
+        _set_faults(deployment, 1, {"corrupt_reads": True, "corrupt_part": "kv"})
+        try:
+            got = _complete(deployment.proxy, prompt)
+        finally:
+            _set_faults(deployment, 1, {})
+        assert got.ok, got.error
+        after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+        if not _recomputed(before, after):
+            break
+    assert not _recomputed(before, after), after
     corrupted = [a.get("engine_wrapper", {}).get("corrupted_bytes", 0)
                  - b.get("engine_wrapper", {}).get("corrupted_bytes", 0)
                  for a, b in zip(after, before, strict=True)]
