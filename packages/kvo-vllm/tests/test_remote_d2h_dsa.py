@@ -89,22 +89,19 @@ def test_a_dsa_handoff_with_speculative_decoding_is_refused() -> None:
     refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative())
 
 
-def test_a_resident_dsa_decode_with_tp_above_1_is_refused_naming_its_tp() -> None:
-    """Main KV in vLLM's cache at decode TP 2 (no host pool found): not tested, refused."""
-    puller = DecodePuller(config=RemoteD2HConfig(kv_port=29000), tp_rank=0, tp_size=2,
+def test_a_dsa_decode_above_the_tested_tp_is_refused_naming_its_tp() -> None:
+    puller = DecodePuller(config=RemoteD2HConfig(kv_port=29000), tp_rank=0, tp_size=4,
                           dp_rank=0)
     try:
-        with pytest.raises(ConfigError, match=r"decode with TP 2 only in kvo's offload mode"
-                                              r".*resident mode .* is not tested"):
+        with pytest.raises(ConfigError, match=r"decode with TP 4; tested up to decode TP 2"):
             puller.register_kv_caches(_dsa_caches())
     finally:
         puller.close()
 
 
-def test_decode_tp_refusal_lets_offload_and_dense_layouts_through() -> None:
-    refuse_untested_dsa_decode_tp(has_indexer=True, into_host_pool=True, tp_size=2)
-    refuse_untested_dsa_decode_tp(has_indexer=False, into_host_pool=False, tp_size=2)
-    refuse_untested_dsa_decode_tp(has_indexer=True, into_host_pool=False, tp_size=1)
+def test_decode_tp_refusal_lets_tested_and_dense_layouts_through() -> None:
+    refuse_untested_dsa_decode_tp(has_indexer=True, tp_size=2)
+    refuse_untested_dsa_decode_tp(has_indexer=False, tp_size=4)
 
 
 def test_ranks_share_the_main_kv_only_when_it_lands_in_the_shared_pool() -> None:

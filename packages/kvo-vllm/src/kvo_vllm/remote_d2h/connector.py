@@ -11,11 +11,12 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 or 2, decode TP 1, or decode TP 2
-in offload mode (the TP ranks pull disjoint parts of the main KV into their shared host pool),
-and without speculative decoding (resident-mode decode TP > 1 and speculative decoding are
-refused at start-up until shown to work); a decode with vLLM data parallelism is refused too
-(the proxy does not yet learn which DP rank took a request).
+(``pool_destination``). DSA layouts run with prefill TP 1 or 2, decode TP 1 or 2 (in offload
+mode the decode's TP ranks pull disjoint parts of the main KV into their shared host pool; in
+resident mode each rank pulls all of it into its own cache), and without speculative decoding
+(decode TP > 2 and speculative decoding are refused at start-up until shown to work); a decode
+with vLLM data parallelism is refused too (the proxy does not yet learn which DP rank took a
+request).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by

@@ -152,7 +152,7 @@ class DecodePuller:
         DSA offload backend's host pool when ``find_pool`` finds one) and indexer cache."""
         layout = describe_kv_caches(kv_caches)
         pool = None if find_pool is None else find_pool(kv_caches, layout)
-        refuse_untested_dsa_decode_tp(layout.has_indexer, pool is not None, self.tp_size)
+        refuse_untested_dsa_decode_tp(layout.has_indexer, self.tp_size)
         self._pool = pool
         self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
@@ -434,17 +434,18 @@ class DecodePuller:
             self._engine.close()
 
 
-def refuse_untested_dsa_decode_tp(has_indexer: bool, into_host_pool: bool,
-                                  tp_size: int) -> None:
-    """ConfigError for a DSA decode at TP > 1 whose main KV stays in vLLM's cache (resident
-    mode): each rank would pull its own full copy, which no test here runs. A DSA decode at
-    TP > 1 in offload mode (main KV into the DP rank's shared host pool) is tested at TP 2."""
-    if has_indexer and tp_size > 1 and not into_host_pool:
+TESTED_DSA_DECODE_TP = 2
+"""The largest decode TP a DSA P/D hand-off is tested at (offload: ranks share the host pool;
+resident: each rank pulls into its own MLA cache)."""
+
+
+def refuse_untested_dsa_decode_tp(has_indexer: bool, tp_size: int) -> None:
+    """ConfigError for a DSA decode at a TP no test here runs (above ``TESTED_DSA_DECODE_TP``)."""
+    if has_indexer and tp_size > TESTED_DSA_DECODE_TP:
         raise ConfigError(
             f"RemoteD2H receives a DSA model (main KV + indexer caches) on a decode with TP "
-            f"{tp_size} only in kvo's offload mode (main KV into the DP rank's shared host "
-            f"pool); resident mode (main KV in vLLM's cache) at decode TP > 1 is not tested: "
-            f"set additional_config kvo_sparse.mode='offload' or run the decode at TP 1")
+            f"{tp_size}; tested up to decode TP {TESTED_DSA_DECODE_TP} (offload and resident "
+            f"mode): run the decode at TP 1 or 2")
 
 
 def main_share(pool: PoolDestination | None, tp_rank: int, tp_size: int) -> MainShare:
