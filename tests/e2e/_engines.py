@@ -256,7 +256,8 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
     from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
 
     model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk)
-    steps = ["--max-num-batched-tokens", str(block_size), "--max-num-seqs", str(max_num_seqs)]
+    steps = ["--max-num-batched-tokens", str(block_size), "--max-num-seqs", str(max_num_seqs),
+             "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
     with Cluster(workdir / "logs") as cluster:
         kv_port = free_port()
         decode = cluster.start_vllm(
