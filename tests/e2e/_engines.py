@@ -231,3 +231,77 @@ def lock_holders(path: Path) -> set[int]:
     inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
     return {int(f[4]) for f in map(str.split, Path("/proc/locks").read_text().splitlines())
             if len(f) > 5 and f[5] == inode}
+
+
+@attrs.frozen
+class PDDeployment:
+    """A P/D deployment of API servers (prefill, decode, kvo proxy) for the DSA model."""
+
+    decode: str
+    proxy: str
+    workdir: Path
+    decode_tp: int = 1
+
+    @property
+    def decode_stats_file(self) -> Path:
+        """Decode TP rank 0's RemoteD2H stats file."""
+        return self.workdir / "decode-stats.json"
+
+    def rank_stats_file(self, tp_rank: int) -> Path:
+        """Decode TP rank ``tp_rank``'s stats file (``rank_stats_path``)."""
+        from kvo_vllm.remote_d2h.stats_file import rank_stats_path
+
+        return Path(str(rank_stats_path(str(self.decode_stats_file), tp_rank)))
+
+
+def _tp_args(tp: int) -> list[str]:
+    return [] if tp == 1 else ["--tensor-parallel-size", str(tp),
+                               "--distributed-executor-backend", "mp"]
+
+
+@contextlib.contextmanager
+def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_size: int,
+                      max_num_seqs: int, max_model_len: int, deadline_s: float,
+                      prefill_tp: int = 1, decode_tp: int = 1,
+                      extra_args: tuple[str, ...] = (),
+                      engine_wrapper: Mapping[str, Any] | None = None,
+                      decode_mode: str = "offload") -> Iterator[PDDeployment]:
+    """A tiny DSA model served P/D through the kvo proxy: a prefill (kvo's sparse backend,
+    resident mode, ``RemoteD2HConnector`` alone) and a decode in kvo's ``decode_mode``
+    (default offload: main KV in its host pool), each at
+    its TP (``mp`` executor, ``TP2_WORKERS`` binding), both stepping ``block_size`` tokens at a
+    time; ``extra_args`` go to both servers; decode reads fail at once (no retries) and a
+    failed pull is recomputed."""
+    import json
+
+    from models.tiny_dsv32 import build_tiny_dsv32
+    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
+
+    model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk)
+    steps = ["--max-num-batched-tokens", str(block_size), "--max-num-seqs", str(max_num_seqs),
+             "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
+    with Cluster(workdir / "logs") as cluster:
+        kv_port = free_port()
+        decode = cluster.start_vllm(
+            "decode" if decode_tp == 1 else f"decode-tp{decode_tp}", model, free_port(),
+            decode_transfer_config(kv_port, workdir / "decode-stats.json",
+                                   layer_deadline_s=deadline_s, read_retries=0,
+                                   engine_wrapper=engine_wrapper),
+            extra_args=[*steps, *extra_args, *_tp_args(decode_tp), "--additional-config",
+                        json.dumps({"kvo_sparse": {"mode": decode_mode}})],
+            env=TP2_WORKERS if decode_tp > 1 else None, max_model_len=max_model_len,
+            block_size=block_size)
+        prefill = cluster.start_vllm(
+            "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(), {
+                "kv_connector": "RemoteD2HConnector",
+                "kv_connector_module_path": "kvo_vllm.remote_d2h",
+                "kv_role": "kv_producer", "kv_connector_extra_config": {
+                    "kv_port": kv_port, "layer_deadline_s": deadline_s,
+                    "handshake_timeout_s": deadline_s}},
+            extra_args=[*steps, *extra_args, *_tp_args(prefill_tp)],
+            env=TP2_WORKERS if prefill_tp > 1 else None, max_model_len=max_model_len,
+            block_size=block_size)
+        proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
+        wait_healthy([decode, prefill, proxy], 900)
+        yield PDDeployment(decode=decode.url or "", proxy=proxy.url or "", workdir=workdir,
+                           decode_tp=decode_tp)

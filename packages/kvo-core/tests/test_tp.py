@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvo_core.errors import ConfigError
-from kvo_core.tp import TPMapping, control_port, control_ports, indexer_block_range
+from kvo_core.tp import MainShare, TPMapping, control_port, control_ports, indexer_block_range
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -162,3 +162,39 @@ def test_highest_port_is_allowed() -> None:
 def test_port_range_errors(call: object, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         call()  # type: ignore[operator]
+
+
+# -- main share of a decode DP rank's shared host pool -----------------------------------------
+
+@given(start=st.integers(0, 500), count=st.integers(0, 64), sharers=st.integers(1, 8))
+@SETTINGS
+def test_main_shares_cover_each_chunk_once(start: int, count: int, sharers: int) -> None:
+    """The ranks sharing one pool pull disjoint block ranges whose union is the chunk: the
+    prompt's main KV is written into the pool exactly once."""
+    covered: list[int] = []
+    for rank in range(sharers):
+        begin, end = MainShare(sharers, rank).block_range(start, count)
+        assert start <= begin <= end <= start + count
+        covered.extend(range(begin, end))
+    assert sorted(covered) == list(range(start, start + count))
+
+
+def test_one_block_chunks_alternate_between_two_ranks() -> None:
+    """A prompt sent one block per chunk: block i lands on rank i % 2, not all on rank 0."""
+    owners = [rank for block in range(6) for rank in (0, 1)
+              if MainShare(2, rank).block_range(block, 1) == (block, block + 1)]
+    assert owners == [0, 1, 0, 1, 0, 1]
+
+
+def test_a_lone_rank_pulls_every_main_block() -> None:
+    assert MainShare().block_range(3, 5) == (3, 8)
+
+
+@pytest.mark.parametrize(("sharers", "rank", "match"), [
+    (0, 0, "sharers must be an integer >= 1"),
+    (2, 2, r"rank must be an integer in \[0, 2\) \(sharers = 2\), got 2"),
+    (2, -1, "rank must be an integer in"),
+])
+def test_bad_main_share_is_refused(sharers: int, rank: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MainShare(sharers, rank)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvo_core.errors import ConfigError
-from kvo_core.tp import indexer_block_range
+from kvo_core.tp import MainShare, indexer_block_range
 from kvo_transport.protocol import (
     PROTOCOL_VERSION,
     Fence,
@@ -338,3 +338,37 @@ def test_descriptors_copy_exactly_the_expected_blocks(case) -> None:
                                   + block * src_group.block_bytes[t] + k * size)
                         want[at:at + size] = src_mem[src_at:src_at + size]
     assert got == want
+
+
+# -- a main destination shared by decode TP ranks (one host pool per DP rank) ---------------------
+
+def test_ranks_sharing_a_main_destination_read_disjoint_main_blocks() -> None:
+    """Decode TP ranks 0 and 1 share one host pool: of a chunk's four main blocks each reads
+    two (the union is the chunk, nothing twice), each reads the whole indexer (its own cache)."""
+    ready = request(start=4, main=(3, 4, 5, 6))
+    plans = [plan_layer_read(source_layer(), dest_layer(), batch(ready),
+                             destinations(r=(0, 0, 0, 0, 20, 21, 22, 23)), MainShare(2, rank))
+             for rank in (0, 1)]
+    assert [plan.destinations["r"] for plan in plans] == [
+        ((20, 21), (20, 21, 22, 23)), ((22, 23), (20, 21, 22, 23))]
+    main_bytes = [sum(length for local, length in zip(plan.local_addrs, plan.lengths,
+                                                      strict=True)
+                      if local < DST_BASE + 200_000) for plan in plans]
+    assert main_bytes == [2 * sum(MAIN), 2 * sum(MAIN)]
+    assert plans[0].remote_addrs[0] == SRC_BASE + 3 * 96
+    assert plans[1].remote_addrs[0] == SRC_BASE + 5 * 96
+    assert plans[1].local_addrs[0] == DST_BASE + 22 * 96
+
+
+def test_a_one_block_chunk_is_read_by_one_sharing_rank_only() -> None:
+    owners = [rank for rank in (0, 1)
+              if plan_layer_read(source_layer(indexer=False), dest_layer(indexer=False),
+                                 batch(request(start=3, main=(7,), indexer=())),
+                                 destinations(r=(0, 0, 0, 9)), MainShare(2, rank)).lengths]
+    assert owners == [1]  # block 3 of the prompt: rank 3 % 2
+
+
+def test_a_sharing_rank_still_checks_main_sources_it_does_not_read() -> None:
+    with pytest.raises(ReadRejected, match="main source block 16 is outside"):
+        plan_layer_read(source_layer(), dest_layer(), batch(request(main=(0, 16))),
+                        destinations(r=(1, 2)), MainShare(2, 0))

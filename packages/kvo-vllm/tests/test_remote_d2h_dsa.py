@@ -10,11 +10,18 @@ import torch
 
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
+from kvo_core.tp import MainShare
 from kvo_vllm.dsa.indexer_cache import describe_indexer_block
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.remote_d2h.connector import refuse_untested_dsa
-from kvo_vllm.remote_d2h.decode_worker import DecodePuller
+from kvo_vllm.remote_d2h.decode_worker import (
+    DecodePuller,
+    main_share,
+    refuse_untested_dsa_decode_tp,
+)
 from kvo_vllm.remote_d2h.kv_caches import describe_kv_caches
+from kvo_vllm.remote_d2h.pool_destination import PoolDestination
+from kvo_vllm.remote_d2h.stats_file import rank_stats_path
 from kvo_vllm.sparse.layout import SparseModelLayout
 
 BLOCKS = 6
@@ -82,14 +89,26 @@ def test_a_dsa_handoff_with_speculative_decoding_is_refused() -> None:
     refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative())
 
 
-def test_a_dsa_decode_with_tp_above_1_is_refused_naming_its_tp() -> None:
-    puller = DecodePuller(config=RemoteD2HConfig(kv_port=29000), tp_rank=0, tp_size=2,
+def test_a_dsa_decode_above_the_tested_tp_is_refused_naming_its_tp() -> None:
+    puller = DecodePuller(config=RemoteD2HConfig(kv_port=29000), tp_rank=0, tp_size=4,
                           dp_rank=0)
     try:
-        with pytest.raises(ConfigError, match=r"decode TP 1 only so far; this decode runs TP 2"):
+        with pytest.raises(ConfigError, match=r"decode with TP 4; tested up to decode TP 2"):
             puller.register_kv_caches(_dsa_caches())
     finally:
         puller.close()
+
+
+def test_decode_tp_refusal_lets_tested_and_dense_layouts_through() -> None:
+    refuse_untested_dsa_decode_tp(has_indexer=True, tp_size=2)
+    refuse_untested_dsa_decode_tp(has_indexer=False, tp_size=4)
+
+
+def test_ranks_share_the_main_kv_only_when_it_lands_in_the_shared_pool() -> None:
+    pool = PoolDestination(region=(4096, 64), bases={}, block_bytes=8, num_blocks=8,
+                           note_pulled=lambda blocks: None)
+    assert main_share(pool, 1, 2) == MainShare(2, 1)
+    assert main_share(None, 1, 2) == MainShare()
 
 
 def test_indexer_block_sizes_are_named_by_layout() -> None:
@@ -138,3 +157,9 @@ def test_pulled_blocks_are_seen_as_written_by_residency(noted: bool) -> None:
     finally:
         manager.close()
 
+
+
+def test_each_tp_rank_writes_its_own_stats_file() -> None:
+    assert rank_stats_path("/tmp/d.json", 0) == "/tmp/d.json"
+    assert rank_stats_path("/tmp/d.json", 1) == "/tmp/d.json.tp1"
+    assert rank_stats_path(None, 1) is None

@@ -329,3 +329,122 @@ def test_tp2_members_publish_a_chunk_once_when_vllm_starts_a_step_after_its_forw
         for sender in senders:
             sender.close()
         puller.close()
+
+
+class _FailingReads:
+    """Decode's engine whose data reads all fail (a lost peer), as Mooncake reports one."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def read(self, *args: object) -> None:
+        from kvo_transport.errors import TransferError
+
+        raise TransferError("injected: the read of this decode rank failed")
+
+
+def _tp2_pullers(manager: OffloadManager, caches: list[dict[str, torch.Tensor]],
+                 noted: list[list[int]], wrap: dict[int, type] | None = None
+                 ) -> list[DecodePuller]:
+    """Decode TP ranks 0 and 1 of one DP rank: one host pool (``manager``'s, which both
+    ranks' engines register), each rank its own indexer caches and its own pulled-block log."""
+    kv_port = free_port()
+    pullers = []
+    for rank in range(2):
+        wrapper = None if wrap is None or rank not in wrap else (
+            lambda engine, regions, cls=wrap[rank]: cls(engine))
+        puller = DecodePuller(config=config(kv_port), tp_rank=rank, tp_size=2, dp_rank=0,
+                              engine_wrapper=wrapper)  # type: ignore[arg-type]
+        puller.register_kv_caches(caches[rank],
+                                  lambda kv, layout, log=noted[rank]: pool_of(manager, log),
+                                  functools.partial(describe_indexer_block, block_size=BS,
+                                                    head_dim=HEAD_DIM))
+        pullers.append(puller)
+    return pullers
+
+
+def _send_tp2(senders: list[PrefillSender], pullers: list[DecodePuller], transfer_id: str,
+              request_id: str) -> None:
+    endpoints = tuple(puller.endpoint for puller in pullers)
+    for puller in pullers:
+        puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+            request_id=request_id, transfer_id=transfer_id, block_ids=DST_BLOCKS,
+            skip_blocks=0),)))
+    for sender in senders:
+        sender.start_step(RemoteD2HMetadata(sends=(SendChunk(
+            request_id=f"p-{transfer_id}", transfer_id=transfer_id,
+            decode_endpoints=endpoints, start_block=0, block_ids=SRC_BLOCKS, last=True),)))
+        for i in range(LAYERS):
+            sender.publish_layer(main_name(i))
+
+
+def test_tp2_prefill_into_tp2_decode_writes_the_shared_pool_once(
+        manager: OffloadManager) -> None:
+    """Prefill TP 2 -> decode TP 2 of one DP rank sharing one host pool: prefill rank r feeds
+    decode rank r; the decode ranks pull disjoint parts of the (replicated) main KV into the
+    pool, so every main row lands once, and each rank pulls the whole indexer into its own
+    cache. Every rank reports all the request's blocks to its own residency bookkeeping."""
+    source = prefill_caches(indexer_row=2 * HEAD_DIM)
+    caches = [decode_caches(), decode_caches()]
+    noted: list[list[int]] = [[], []]
+    pullers = _tp2_pullers(manager, caches, noted)
+    senders = [PrefillSender(config=config(free_port()), tp_rank=rank, tp_size=2,
+                             instance_id="prefill-tp2") for rank in range(2)]
+    try:
+        for sender in senders:
+            sender.register_kv_caches(source)
+        _send_tp2(senders, pullers, "t1", "req-1")
+        for puller in pullers:
+            assert collect_until(puller, "req-1") == set()
+        for i in range(LAYERS):
+            pool = manager.pool_layer(i).view(BLOCKS, BS, ROW)
+            for src, dst in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):
+                assert torch.equal(pool[dst], source[main_name(i)][src])
+                for rank in range(2):
+                    assert torch.equal(caches[rank][indexer_name(i)][dst],
+                                       source[indexer_name(i)][src])
+        assert [sorted(log) for log in noted] == [sorted(DST_BLOCKS)] * 2
+        # One chunk of 3 blocks: rank 0 pulls the main KV of blocks [0, 2), rank 1 of [2, 3).
+        block_kv = BS * ROW * 4
+        kv = [puller.snapshot()["per_part"]["kv"]["bytes"] for puller in pullers]  # type: ignore[index]
+        idx = [puller.snapshot()["per_part"]["idx"]["bytes"] for puller in pullers]  # type: ignore[index]
+        assert kv == [LAYERS * 2 * block_kv, LAYERS * 1 * block_kv]
+        assert idx == [LAYERS * len(DST_BLOCKS) * BS * 2 * HEAD_DIM] * 2
+    finally:
+        for sender in senders:
+            sender.close()
+        for puller in pullers:
+            puller.close()
+
+
+def test_a_failed_pull_on_one_decode_tp_rank_reports_its_blocks_invalid(
+        manager: OffloadManager) -> None:
+    """Decode rank 1's reads fail while rank 0's succeed: rank 1 reports the request with
+    invalid blocks (vLLM unites them over the ranks and recomputes them for every rank), so
+    the rows rank 1 was to write into the shared pool are never taken as pulled."""
+    source = prefill_caches(indexer_row=2 * HEAD_DIM)
+    caches = [decode_caches(), decode_caches()]
+    noted: list[list[int]] = [[], []]
+    pullers = _tp2_pullers(manager, caches, noted, wrap={1: _FailingReads})
+    senders = [PrefillSender(config=config(free_port()), tp_rank=rank, tp_size=2,
+                             instance_id="prefill-tp2-fail") for rank in range(2)]
+    try:
+        for sender in senders:
+            sender.register_kv_caches(source)
+        _send_tp2(senders, pullers, "t2", "req-2")
+        assert collect_until(pullers[0], "req-2") == set()
+        invalid = collect_until(pullers[1], "req-2")
+        assert DST_BLOCKS[2] in invalid  # rank 1's main share of the chunk
+        assert invalid <= set(DST_BLOCKS)
+        assert (pullers[1].snapshot()["failed"], pullers[0].snapshot()["failed"]) == (1, 0)
+        # Rank 1 wrote none of its share: block 4 (logical block 2) still holds zeros.
+        for i in range(LAYERS):
+            assert bool((manager.pool_layer(i).view(BLOCKS, BS, ROW)[DST_BLOCKS[2]] == 0).all())
+    finally:
+        for sender in senders:
+            sender.close()
+        for puller in pullers:
+            puller.close()

@@ -141,3 +141,33 @@ def _check_port(name: str, value: object) -> None:
             or not MIN_PORT <= value <= MAX_PORT):
         raise ConfigError(f"{name} must be an integer in [{MIN_PORT}, {MAX_PORT}], "
                           f"got {value!r}")
+
+
+def _check_sharers(instance: MainShare, attribute: attrs.Attribute[int], value: int) -> None:
+    _require_int(attribute.name, value, 1)
+
+
+@attrs.frozen
+class MainShare:
+    """Which main-KV blocks of each chunk one decode TP rank pulls (docs/design.md section 14).
+
+    With its main KV in vLLM's own cache every decode rank keeps a full copy and pulls every
+    main block its contribution group sends (``sharers == 1``). With kvo's sparse offload the
+    main KV lives in one host pool per DP rank that its ``sharers`` TP ranks share: the
+    prompt's main KV must be written into it once, not once per rank, so the ranks pull
+    disjoint parts whose union is the whole chunk. The parts are cut as the indexer is cut
+    between contribution-group members (:func:`indexer_block_range`, rotated by the chunk's
+    start block), so a prompt arriving one block per chunk alternates between the ranks
+    instead of landing on rank 0 (the pull traffic is spread over the ranks' engines, as
+    vllm-ascend spreads it).
+    """
+
+    sharers: int = attrs.field(default=1, validator=_check_sharers)
+    rank: int = attrs.field(default=0)
+
+    def __attrs_post_init__(self) -> None:
+        _require_index("rank", self.rank, self.sharers, "sharers")
+
+    def block_range(self, start_block: int, num_blocks: int) -> tuple[int, int]:
+        """Half-open range ``[begin, end)`` of the chunk's absolute blocks this rank pulls."""
+        return indexer_block_range(start_block, num_blocks, self.sharers, self.rank)

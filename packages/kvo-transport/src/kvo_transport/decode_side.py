@@ -654,7 +654,8 @@ class DecodeReceiver:
             raise ReadRejected(f"fence word(s) {_preview(outside)} are outside the prefill's "
                                f"{meta.fence_words} epoch words")
         return plan_layer_read(meta.layers[batch.layer_index],
-                               self._layout.layers[batch.layer_index], batch, targets.get)
+                               self._layout.layers[batch.layer_index], batch, targets.get,
+                               self._layout.main_share)
 
     def _pull(self, session: _Session, batch: ReadReadyBatch, plan: LayerReadPlan
               ) -> tuple[str | None, bool]:

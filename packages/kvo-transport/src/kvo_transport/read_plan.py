@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from kvo_core.errors import ConfigError
-from kvo_core.tp import TPMapping, indexer_block_range
+from kvo_core.tp import MainShare, TPMapping, indexer_block_range
 from kvo_transport.protocol import LayerMeta, MfMeta, ReadReadyBatch, ReadyRequest, TensorGroup
 
 
@@ -25,6 +25,10 @@ class ReadRejected(Exception):
 
 def _int_tuple(values: Sequence[int]) -> tuple[int, ...]:
     return tuple(operator.index(v) for v in values)
+
+
+WHOLE_MAIN = MainShare()
+"""A decode rank with its own main destination: it pulls every main block it is sent."""
 
 
 def _positive_ints(instance: object, attribute: attrs.Attribute[tuple[int, ...]],
@@ -85,9 +89,12 @@ def _layer_tuple(layers: Iterable[DestinationLayer]) -> tuple[DestinationLayer, 
 
 @attrs.frozen
 class DecodeLayout:
-    """Every cache-bearing layer of the decode rank, ordered by layer index."""
+    """Every cache-bearing layer of the decode rank, ordered by layer index, and which part
+    of each chunk's main KV this rank pulls (all of it, unless its main destination is a host
+    pool shared with other TP ranks: :class:`kvo_core.tp.MainShare`)."""
 
     layers: tuple[DestinationLayer, ...] = attrs.field(converter=_layer_tuple)
+    main_share: MainShare = WHOLE_MAIN
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -226,9 +233,11 @@ def _check_layer(source: LayerMeta, dest: DestinationLayer) -> str | None:
 
 
 def plan_layer_read(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyBatch,
-                    resolve: Resolver) -> LayerReadPlan:
+                    resolve: Resolver, main_share: MainShare = WHOLE_MAIN) -> LayerReadPlan:
     """Validate every request of ``batch`` and build the layer's descriptors.
 
+    Member 0 must name every main block of the chunk; this rank reads ``main_share`` of them
+    (the other ranks sharing its main destination read the rest).
     Raises ReadRejected naming the first problem; nothing is read unless all requests pass.
     """
     if batch.layer_name != source.name:
@@ -243,7 +252,7 @@ def plan_layer_read(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyB
                                f"decode rank (unknown or already released)")
         try:
             destinations[request.request_id] = _plan_request(
-                source, dest, batch, request, target, out)
+                source, dest, batch, request, target, out, main_share)
         except ReadRejected as exc:
             raise ReadRejected(f"request {request.request_id!r}: {exc}") from None
     return LayerReadPlan(out.local, out.remote, out.lengths, destinations)
@@ -274,8 +283,8 @@ def _clipped(ids: tuple[int, ...], begin: int, end: int) -> tuple[int, ...]:
 
 
 def _plan_request(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyBatch,
-                  request: ReadyRequest, target: RequestDestination,
-                  out: _Descriptors) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                  request: ReadyRequest, target: RequestDestination, out: _Descriptors,
+                  main_share: MainShare) -> tuple[tuple[int, ...], tuple[int, ...]]:
     scale = dest.block_size_scale
     start, count = request.main_start_block, request.num_blocks
     main_written: tuple[int, ...] = ()
@@ -283,8 +292,12 @@ def _plan_request(source: LayerMeta, dest: DestinationLayer, batch: ReadReadyBat
         if len(request.main_block_ids) != count:
             raise ReadRejected(f"member 0 must send all {count} main blocks of the chunk, "
                                f"sent {len(request.main_block_ids)}")
-        main_written = _add_group(out, "main", source.main, dest.main, request.main_block_ids,
-                                  target.main_block_ids, start, scale, target.first_block)
+        _check_sources("main", source.main, request.main_block_ids)  # every one, read or not
+        begin, end = main_share.block_range(start, count)
+        if begin < end:
+            main_written = _add_group(out, "main", source.main, dest.main,
+                                      request.main_block_ids[begin - start:end - start],
+                                      target.main_block_ids, begin, scale, target.first_block)
     elif request.main_block_ids:
         raise ReadRejected(f"member {batch.member} sent {len(request.main_block_ids)} main "
                            f"blocks; only member 0 moves main KV")
@@ -323,10 +336,7 @@ def _add_group(out: _Descriptors, what: str, src: TensorGroup, dst: DestinationG
     """
     first, last = start * scale, (start + len(src_ids)) * scale
     wanted = max(first, first_block)
-    for block in src_ids:
-        if block >= src.num_blocks:
-            raise ReadRejected(f"{what} source block {block} is outside the prefill region of "
-                               f"{src.num_blocks} blocks")
+    _check_sources(what, src, src_ids)
     if wanted >= last:
         return ()
     if last > len(dst_ids):
@@ -350,3 +360,10 @@ def _add_group(out: _Descriptors, what: str, src: TensorGroup, dst: DestinationG
                             dst_bytes)
                 position += 1
     return written
+
+
+def _check_sources(what: str, src: TensorGroup, src_ids: tuple[int, ...]) -> None:
+    for block in src_ids:
+        if block >= src.num_blocks:
+            raise ReadRejected(f"{what} source block {block} is outside the prefill region of "
+                               f"{src.num_blocks} blocks")

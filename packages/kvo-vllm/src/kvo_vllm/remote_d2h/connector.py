@@ -11,13 +11,15 @@ Load it in vLLM with::
 Dense models move each layer's KV cache; DeepSeek-V3.2-architecture (DSA) models move each
 layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a decode serving
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
-(``pool_destination``). DSA layouts run with prefill TP 1 or 2 and decode TP 1 and without
-speculative decoding (decode TP > 1 and speculative decoding are refused at start-up until
-shown to work). A decode may run vLLM's data parallelism (one API server, ``N`` DP ranks):
-each DP rank's workers bind their own control ports (``kv_port + dp_rank * tp + tp_rank``),
-advertise which DP rank took a request, and the kvo proxy pins later requests to a DP rank
-(``kvo_vllm.proxy.flow``); DP ranks that vLLM runs as independent engines (a dense model)
-are refused (``dp_rank``). Each DP rank's ``stats_file`` is the path plus ``.dp<rank>``.
+(``pool_destination``). DSA layouts run with prefill TP 1 or 2, decode TP 1 or 2 (in offload
+mode the decode's TP ranks pull disjoint parts of the main KV into their shared host pool; in
+resident mode each rank pulls all of it into its own cache), and without speculative decoding
+(decode TP > 2 and speculative decoding are refused at start-up until shown to work). A decode
+may run vLLM's data parallelism (one API server, ``N`` DP ranks): each DP rank's workers bind
+their own control ports (``kv_port + dp_rank * tp + tp_rank``), advertise which DP rank took a
+request, and the kvo proxy pins later requests to a DP rank (``kvo_vllm.proxy.flow``); DP ranks
+that vLLM runs as independent engines (a dense model) are refused (``dp_rank``). Each worker's
+``stats_file`` is the path plus ``.dp<rank>`` (DP > 1), then ``.tp<rank>`` (TP rank > 0).
 
 The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
@@ -73,7 +75,7 @@ from kvo_vllm.remote_d2h.options import RemoteD2HOptions
 from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_destination
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
-from kvo_vllm.remote_d2h.stats_file import StatsFile
+from kvo_vllm.remote_d2h.stats_file import StatsFile, rank_stats_path
 from kvo_vllm.remote_d2h.switch_interval import shorten_switch_interval
 from kvo_vllm.vllm_logging import join_vllm_logging
 from kvo_vllm.vllm_version import require_supported_vllm
@@ -97,6 +99,12 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
         raise ConfigError(f"RemoteD2HConnector supports models with one KV-cache group (dense "
                           f"attention); this model has {len(groups)}")
     return int(groups[0].kv_cache_spec.block_size)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None
@@ -167,7 +175,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
                                            engine_wrapper=(
                                                None if self.options.engine_wrapper is None
                                                else self.options.engine_wrapper.load()))
-        self._stats = StatsFile(rank_stats_file(self.options.stats_file, dp)
+        self._stats = StatsFile(rank_stats_path(rank_stats_file(self.options.stats_file, dp),
+                                                _tp_rank())
                                 if role == KVConnectorRole.WORKER else None, self.snapshot)
         self._metric_deltas = CounterDeltas()
         logger.info("kvo RemoteD2HConnector (%s, %s)", role.name, transfer.kv_role)

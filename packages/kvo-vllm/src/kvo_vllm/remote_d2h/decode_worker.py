@@ -35,7 +35,7 @@ import torch
 from kvo_core.buffer_regions import INDEXER_PART, MAIN_PART
 from kvo_core.config import RemoteD2HConfig
 from kvo_core.errors import ConfigError
-from kvo_core.tp import control_port
+from kvo_core.tp import MainShare, control_port
 from kvo_transport.control import (
     DecodeLayout,
     DecodeReceiver,
@@ -157,10 +157,7 @@ class DecodePuller:
         DSA offload backend's host pool when ``find_pool`` finds one) and indexer cache."""
         layout = describe_kv_caches(kv_caches)
         pool = None if find_pool is None else find_pool(kv_caches, layout)
-        if layout.has_indexer and self.tp_size > 1:
-            raise ConfigError(
-                f"RemoteD2H receives DSA layouts (main KV + indexer caches) on decode TP 1 only "
-                f"so far; this decode runs TP {self.tp_size}")
+        refuse_untested_dsa_decode_tp(layout.has_indexer, self.tp_size)
         self._pool = pool
         self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
@@ -202,8 +199,10 @@ class DecodePuller:
         self._raw = raw
         wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
         self._engine = GuardedEngine(wrapped, regions)
+        share = main_share(pool, self.tp_rank, self.tp_size)
         self._receiver = DecodeReceiver(
-            engine=self._engine, layout=DecodeLayout(dest_layers), resolve=self._resolve,
+            engine=self._engine, layout=DecodeLayout(dest_layers, main_share=share),
+            resolve=self._resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
             retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
@@ -212,7 +211,10 @@ class DecodePuller:
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
                     "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
                     layout.layers[0].main.shape[0],
-                    "main KV into the host pool" if pool is not None else "main KV",
+                    ("main KV into the host pool" if pool is None or share.sharers == 1 else
+                     f"main KV into the host pool shared by {share.sharers} TP ranks (this "
+                     f"rank pulls part {share.rank} of each chunk)")
+                    if pool is not None else "main KV",
                     " + indexer" if layout.has_indexer else "", self._receiver.endpoint,
                     raw.session_id)
 
@@ -415,6 +417,7 @@ class DecodePuller:
         per_part = {} if engine is None else {
             part: attrs.asdict(stats) for part, stats in sorted(engine.per_part.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
+                "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
                 "main_into_host_pool": self._pool is not None,
                 "device_kv": dict(self._device_kv),
@@ -436,6 +439,31 @@ class DecodePuller:
         self._notifier.close()
         if self._engine is not None:
             self._engine.close()
+
+
+TESTED_DSA_DECODE_TP = 2
+"""The largest decode TP a DSA P/D hand-off is tested at (offload: ranks share the host pool;
+resident: each rank pulls into its own MLA cache)."""
+
+
+def refuse_untested_dsa_decode_tp(has_indexer: bool, tp_size: int) -> None:
+    """ConfigError for a DSA decode at a TP no test here runs (above ``TESTED_DSA_DECODE_TP``)."""
+    if has_indexer and tp_size > TESTED_DSA_DECODE_TP:
+        raise ConfigError(
+            f"RemoteD2H receives a DSA model (main KV + indexer caches) on a decode with TP "
+            f"{tp_size}; tested up to decode TP {TESTED_DSA_DECODE_TP} (offload and resident "
+            f"mode): run the decode at TP 1 or 2")
+
+
+def main_share(pool: PoolDestination | None, tp_rank: int, tp_size: int) -> MainShare:
+    """Which part of each chunk's main KV this rank pulls (:class:`kvo_core.tp.MainShare`).
+
+    Into the DP rank's shared host pool the TP ranks pull disjoint parts, so the prompt's
+    replicated main KV is written once per DP rank and the traffic is spread over the ranks'
+    engines (vllm-ascend's choice too); rank 0 pulling everything would write it once as well
+    but put every main byte on one rank's engine. Into vLLM's own cache (one per rank) a rank
+    needs the whole main KV."""
+    return MainShare() if pool is None else MainShare(tp_size, tp_rank)
 
 
 def _wrapper_snapshot(engine: GuardedEngine | None) -> dict[str, object]:

@@ -7,6 +7,27 @@ prompt's main KV straight into those pool rows (the blocks vLLM allocated to the
 the indexer keys into vLLM's device indexer cache. Pulled blocks are reported to the offload
 manager (``note_pulled``), so residency never serves hot rows copied from a block's previous
 owner (:mod:`kvo_vllm.dsa.offload_identity`).
+
+At decode TP > 1 the TP ranks of a DP rank share one host pool (:mod:`kvo_vllm.dsa.offload_tp`)
+and the main KV is replicated across them, so each rank pulls a disjoint part of every chunk's
+main blocks into it (``decode_worker.main_share``: the pool is written once per DP rank) and
+the whole indexer range of its contribution group into its own device indexer cache. Every
+rank reports the request's blocks to its own offload manager when its own pull ended (each
+rank keeps its own residency and row identity). What orders one rank's pull-writes before
+another rank's reads of those rows: a rank reads a request's pool rows only in a forward
+that schedules the request, and vLLM schedules it only after EVERY TP worker reported it in
+``finished_recving``: vLLM 0.32's ``KVOutputAggregator.aggregate``
+(``distributed/kv_transfer/kv_connector/utils.py``) counts each request id down from the
+world size (kvo's connector keeps the default ``get_finished_count``) and passes it to the
+scheduler only when the count reaches 0; the multiproc executor's ``execute_model`` collects
+every worker's output for it (``collective_rpc`` with an aggregator waits on every response
+queue). A rank reports a request only after its receiver saw every layer's read return, so
+the rows are in the pool before the report; the report travels through vLLM's shared-memory
+message queues to the engine core, whose next scheduler output travels back the same way to
+every worker: that chain orders the writes before the reads (no timeout, no sleep). A failed
+pull on any rank ends with that rank's invalid blocks, which the aggregator unites over the
+ranks (``invalid_block_ids |= ...``): vLLM recomputes those blocks (or fails the request)
+for every rank alike, and the unfinished rows are never taken as computed.
 """
 
 from __future__ import annotations

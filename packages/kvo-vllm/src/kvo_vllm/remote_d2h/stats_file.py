@@ -47,6 +47,14 @@ class StatsFile:
             self._failed = True
 
 
+def rank_stats_path(path: str | None, tp_rank: int) -> str | None:
+    """Where TP rank ``tp_rank`` writes: rank 0 the configured ``path`` (what a TP 1 reader
+    expects), rank r > 0 ``<path>.tp<r>`` (each rank pulls and counts its own share)."""
+    if path is None or tp_rank == 0:
+        return path
+    return f"{path}.tp{tp_rank}"
+
+
 def read_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The last snapshot written to ``path`` ({} when there is none yet)."""
     try:
