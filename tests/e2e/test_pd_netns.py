@@ -145,8 +145,8 @@ def test_pd_across_hosts_answers_equal_plain_vllm(deployment: Hosts) -> None:
     from pd.cluster import get_json
 
     meta = get_json(deployment.proxy + "/kvo/v1/metadata")
-    assert meta["decode_endpoints"] == {"0": f"tcp://{deployment.hosts.addresses['decode']}:"
-                                             f"{KV_PORT}"}
+    assert meta["decode_endpoints"] == {"0/0": f"tcp://{deployment.hosts.addresses['decode']}:"
+                                               f"{KV_PORT}"}
     assert sum(meta["refused_notifications"].values()) == 0
 
 
