@@ -134,3 +134,28 @@ def test_each_decode_restarting_fault_has_its_own_limit() -> None:
     assert soak._may_draw("failed_read", drawn, args)
     drawn["decode_killed"] += 1
     assert not soak._may_draw("decode_killed", drawn, args)
+
+
+def test_the_soak_records_whether_the_decode_server_exits_after_losing_a_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pd.cluster import Managed, free_port
+
+    monkeypatch.setattr(soak, "SERVER_EXIT_WAIT_S", 2.0)
+    for name, code, exited in (("exits", "import time; time.sleep(0.5)", True),
+                               ("stays", "import time; time.sleep(30)", False)):
+        process = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        server = Managed(name=name, argv=[], log_path=tmp_path / name, process=process,
+                         url=f"http://127.0.0.1:{free_port()}")  # nothing answers there
+        kill = soak.TPRankKill(tp_rank=1, pid=0)
+        try:
+            soak._watch_server(server, kill)
+        finally:
+            server.kill()
+        assert kill.server_alive_after_batch
+        if exited:
+            assert kill.server_exited_after_s is not None
+            assert 0.2 < kill.server_exited_after_s < 2.0
+            assert kill.health_ok_while_running is None
+        else:
+            assert kill.server_exited_after_s is None
+            assert kill.health_ok_while_running is False

@@ -93,6 +93,7 @@ from pd.cluster import (
     decode_transfer_config,
     faulty_decode,
     free_port,
+    http_ok,
     prefill_transfer_config,
     reexec_in_namespace,
     start_master,
@@ -384,6 +385,12 @@ class TPRankKill:
     """The SIGKILL reached the worker (False: it had already gone)."""
     server_alive_after_batch: bool | None = None
     """Whether the decode's API server still ran when the batch's answers were in."""
+    server_exited_after_s: float | None = None
+    """Seconds after the batch until the decode's API server exited on its own (None: still
+    running after ``SERVER_EXIT_WAIT_S``)."""
+    health_ok_while_running: bool | None = None
+    """If it still ran then: whether its /health answered 200 (a server with a dead rank
+    that calls itself healthy would keep getting requests in production)."""
 
 
 @attrs.define
@@ -480,14 +487,28 @@ def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
             answers = send()
         finally:
             killer.join()
-            kill.server_alive_after_batch = deployment.decode.alive()
-            print(f"  decode TP rank {kill.tp_rank} (pid {kill.pid}) killed: "
-                  f"{kill.killed}; the decode server "
-                  f"{'still ran' if kill.server_alive_after_batch else 'had exited'} after the "
-                  "batch; restarting the decode", flush=True)
+            _watch_server(deployment.decode, kill)
+            print(f"  decode TP rank {kill.tp_rank} (pid {kill.pid}) killed: {kill}; "
+                  "restarting the decode", flush=True)
             deployment.restart_decode()
         return answers, time.monotonic()
     return send(), time.monotonic()
+
+
+SERVER_EXIT_WAIT_S = 15.0
+"""How long the soak waits for a decode that lost a TP rank to exit on its own."""
+
+
+def _watch_server(server: Managed, kill: TPRankKill) -> None:
+    """Record in ``kill`` what the decode's API server did after losing its rank."""
+    kill.server_alive_after_batch = server.alive()
+    started = time.monotonic()
+    while server.alive() and time.monotonic() - started < SERVER_EXIT_WAIT_S:
+        time.sleep(0.2)
+    if server.alive():
+        kill.health_ok_while_running = http_ok(f"{server.url}/health")
+    else:
+        kill.server_exited_after_s = round(time.monotonic() - started, 2)
 
 
 def _sigkill(kill: TPRankKill) -> None:
