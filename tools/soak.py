@@ -29,8 +29,18 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
   host's are: the machine's /dev/shm is never filled. Without root (no mount namespace) the
   fault is left out and the JSON says why (``skipped_faults``).
 
-The decode TP rank kill of issue 36 needs a P/D decode with TP 2, which the soak's deployment
-does not run: not part of the draw.
+- ``decode_tp_rank_killed`` (only with ``--decode-tp`` 2): one decode TP worker other than
+  rank 0 (vLLM's ``VLLM::Worker_TP1`` process, found among the decode server's descendants:
+  tools/pd/tp_workers.py) is SIGKILLed while the batch runs; the requests in flight must fail
+  cleanly or answer right, never hang. Then the decode is restarted as for ``decode_killed``
+  (its whole process group killed first, whatever vLLM made of the lost rank), at most
+  ``--max-tp-rank-kills`` times. The JSON's ``tp_rank_kills`` says which rank and pid died and
+  whether the decode's API server was still running after the batch.
+
+``--decode-tp`` N runs the decode at TP N (vLLM's ``mp`` executor, one core per worker). The
+prefill and the plain reference then run at TP N too: kvo's TP mapping needs prefill TP >= decode
+TP, and a reference at the decode's TP shards its sums the same way, so its answers still compare
+token for token.
 
 Requests go out in batches of ``--concurrency`` at once (each batch at most one fault, active for
 the whole batch): a fault must leave every other request in flight exact too. A faulted batch's
@@ -54,7 +64,7 @@ The JSON records each engine's resident memory and /dev/shm files at the soak's 
 (``footprint``: per process group, tools/pd/footprint.py). Prints the table and writes JSON. Not
 part of ``nox -s tests``: ``nox -s soak`` (``-- --requests 50`` for a shorter run). Exit 0 when
 wrong == hung == crashes == unrecovered == 0
-(probes included).
+(probes included) and every decode TP rank kill reached its worker.
 """
 
 from __future__ import annotations
@@ -83,6 +93,7 @@ from pd.cluster import (
     decode_transfer_config,
     faulty_decode,
     free_port,
+    http_ok,
     prefill_transfer_config,
     reexec_in_namespace,
     start_master,
@@ -93,6 +104,7 @@ from pd.footprint import footprint, shm_listing
 from pd.hostile import TakeoverCounts, keep_taking_over
 from pd.private_shm import filled, private, reexec_with_private_shm, why_no_private_shm
 from pd.stats import decode_stats
+from pd.tp_workers import tp_worker
 
 NUM_LAYERS = 4
 MAX_TOKENS = 6
@@ -102,7 +114,11 @@ TEXT = ("A soak sends many requests while things break underneath; every answer 
 OUTCOMES = ("identical", "failed_cleanly", "wrong", "hung")
 FAULTS = ("failed_read", "slow_read", "lost_ack", "bad_frames", "bad_notify",
           "master_killed", "master_frozen", "decode_killed", "routing_id_takeover",
-          "shm_nearly_full")
+          "shm_nearly_full", "decode_tp_rank_killed")
+KILL_LIMITS = {"decode_killed": "max_decode_kills", "decode_tp_rank_killed": "max_tp_rank_kills"}
+"""Faults that restart the decode (a minute each here): drawn at most that argument's times."""
+TP_ONLY_FAULTS = ("decode_tp_rank_killed",)
+"""Faults that need ``--decode-tp`` 2."""
 PROBE_TEXT = ("A probe asks whether the pair serves again after a fault: the decode must pull "
               "this prompt's KV from the prefill. ") * 6
 ENGINES = ("plain", "prefill", "decode", "proxy")
@@ -118,16 +134,18 @@ def _prompts(count: int) -> list[str]:
 class Deployment:
     """The processes of the soak, with what the faults need to restart them."""
 
-    def __init__(self, workdir: Path, cluster: Cluster, model: Path) -> None:
+    def __init__(self, workdir: Path, cluster: Cluster, model: Path, tp: int = 1) -> None:
         self.workdir = workdir
         self.cluster = cluster
         self.model = model
+        self.tp = tp
+        """TP of every engine (decode, prefill and the plain reference)."""
         self.faults_file = workdir / "faults.json"
         self.faults_file.write_text("{}")
         self.kv_port = free_port()
         self.decode_port = free_port()
         self.master = start_master()
-        self.plain = cluster.start_vllm("plain", model, free_port())
+        self.plain = cluster.start_vllm("plain", model, free_port(), **self._tp_options())
         self.prefill_port = free_port()
         self.prefill = self._start_prefill()
         self.decode = self._start_decode()
@@ -142,7 +160,16 @@ class Deployment:
                                        prefill_transfer_config(
                                            self.master.address, self.kv_port,
                                            self.workdir / "prefill-stats.json",
-                                           layer_deadline_s=10.0, handshake_timeout_s=10.0))
+                                           layer_deadline_s=10.0, handshake_timeout_s=10.0),
+                                       **self._tp_options())
+
+    def _tp_options(self) -> dict[str, Any]:
+        """``start_vllm`` arguments for an engine at the deployment's TP."""
+        if self.tp == 1:
+            return {}
+        return {"extra_args": ["--tensor-parallel-size", str(self.tp),
+                               "--distributed-executor-backend", "mp"],
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(self.tp)))}}
 
     def restart_dead(self) -> list[tuple[str, str]]:
         """Restart a prefill or decode that died on its own; (name, log tail) of each."""
@@ -154,7 +181,7 @@ class Deployment:
             dead.append((name, managed.log_tail(4000)))
             self.cluster.processes.remove(managed)
             if name == "decode":
-                self.decode_stats_file.unlink(missing_ok=True)
+                self._forget_decode_stats()
             setattr(self, name, self._start_prefill() if name == "prefill"
                     else self._start_decode())
             wait_healthy([getattr(self, name)], 900)
@@ -169,11 +196,23 @@ class Deployment:
                                         layer_deadline_s=10.0, handshake_timeout_s=10.0,
                                         engine_wrapper=faulty_decode(self.faults_file),
                                         read_retries=0)
-        return self.cluster.start_vllm("decode", self.model, self.decode_port, config)
+        return self.cluster.start_vllm("decode", self.model, self.decode_port, config,
+                                       **self._tp_options())
+
+    def _forget_decode_stats(self) -> None:
+        """Remove every decode rank's stats file: a new decode counts from 0."""
+        from kvo_vllm.remote_d2h.stats_file import rank_stats_path
+
+        for rank in range(self.tp):
+            Path(rank_stats_path(str(self.decode_stats_file), rank) or "").unlink(
+                missing_ok=True)
 
     def restart_decode(self) -> None:
+        """Kill what is left of the decode's process group (a server that lost a TP rank may
+        still run), then start a new decode and wait for its /health."""
+        self.decode.kill()
         self.cluster.processes.remove(self.decode)
-        self.decode_stats_file.unlink(missing_ok=True)  # the new decode counts from 0
+        self._forget_decode_stats()
         self.decode = self._start_decode()
         wait_healthy([self.decode], 900)
 
@@ -252,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     drawn = [kind for kind in args.faults if kind not in args.skip_faults]
     with stopping_on_signals(), Cluster(workdir / "logs") as cluster:
         print("starting the deployment ...", flush=True)
-        deployment = Deployment(workdir, cluster, model)
+        deployment = Deployment(workdir, cluster, model, tp=args.decode_tp)
         try:
             prompts = _prompts(args.prompts)
             reference = {}
@@ -269,8 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 size = min(args.concurrency, args.requests - i)
                 batch = [rng.choice(prompts) for _ in range(size)]
                 fault = rng.choice(drawn) if rng.random() < args.fault_rate else None
-                if fault == "decode_killed" and faults["decode_killed"] >= args.max_decode_kills:
-                    fault = rng.choice([kind for kind in drawn if kind != "decode_killed"]
+                if fault is not None and not _may_draw(fault, faults, args):
+                    fault = rng.choice([kind for kind in drawn if _may_draw(kind, faults, args)]
                                        or [None])
                 if fault is not None:  # its own prompt: nothing of it is cached anywhere
                     batch[0] = f"request {i} under fault {fault}. {batch[0]}"
@@ -325,7 +364,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "unusable_s": dict(unusable), "worst_unusable_s": worst,
             "unrecovered": dict(unrecovered), "probes": dict(probes),
             "takeover": attrs.asdict(notes.takeover), "shm_left_bytes": notes.shm_left,
+            "decode_tp": args.decode_tp,
+            "tp_rank_kills": [attrs.asdict(kill) for kill in notes.tp_rank_kills],
             "skipped_faults": args.skip_faults, "workdir": str(workdir)}
+
+
+def _may_draw(fault: str, faults: collections.Counter[str], args: argparse.Namespace) -> bool:
+    """Whether ``fault`` is still below its limit (``KILL_LIMITS``; other faults have none)."""
+    limit = KILL_LIMITS.get(fault)
+    return limit is None or faults[fault] < getattr(args, limit)
+
+
+@attrs.define
+class TPRankKill:
+    """One ``decode_tp_rank_killed``: whom it killed and what the decode server did."""
+
+    tp_rank: int
+    pid: int
+    killed: bool = False
+    """The SIGKILL reached the worker (False: it had already gone)."""
+    server_alive_after_batch: bool | None = None
+    """Whether the decode's API server still ran when the batch's answers were in."""
+    server_exited_after_s: float | None = None
+    """Seconds after the batch until the decode's API server exited on its own (None: still
+    running after ``SERVER_EXIT_WAIT_S``)."""
+    health_ok_while_running: bool | None = None
+    """If it still ran then: whether its /health answered 200 (a server with a dead rank
+    that calls itself healthy would keep getting requests in production)."""
 
 
 @attrs.define
@@ -335,6 +400,7 @@ class Notes:
     takeover: TakeoverCounts = attrs.Factory(TakeoverCounts)
     shm_left: list[int] = attrs.Factory(list)
     """Bytes left in /dev/shm while each shm_nearly_full batch ran."""
+    tp_rank_kills: list[TPRankKill] = attrs.Factory(list)
 
 
 def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
@@ -411,7 +477,46 @@ def _batch(deployment: Deployment, prompts: list[str], fault: str | None,
             killer.join()
             deployment.restart_decode()
         return answers, time.monotonic()
+    if fault == "decode_tp_rank_killed":
+        kill = TPRankKill(tp_rank=rng.randrange(1, deployment.tp), pid=0)
+        kill.pid = tp_worker(deployment.decode.process.pid, kill.tp_rank)
+        notes.tp_rank_kills.append(kill)
+        killer = threading.Timer(rng.uniform(0.05, 0.5), _sigkill, args=(kill,))
+        killer.start()
+        try:
+            answers = send()
+        finally:
+            killer.join()
+            _watch_server(deployment.decode, kill)
+            print(f"  decode TP rank {kill.tp_rank} (pid {kill.pid}) killed: {kill}; "
+                  "restarting the decode", flush=True)
+            deployment.restart_decode()
+        return answers, time.monotonic()
     return send(), time.monotonic()
+
+
+SERVER_EXIT_WAIT_S = 15.0
+"""How long the soak waits for a decode that lost a TP rank to exit on its own."""
+
+
+def _watch_server(server: Managed, kill: TPRankKill) -> None:
+    """Record in ``kill`` what the decode's API server did after losing its rank."""
+    kill.server_alive_after_batch = server.alive()
+    started = time.monotonic()
+    while server.alive() and time.monotonic() - started < SERVER_EXIT_WAIT_S:
+        time.sleep(0.2)
+    if server.alive():
+        kill.health_ok_while_running = http_ok(f"{server.url}/health")
+    else:
+        kill.server_exited_after_s = round(time.monotonic() - started, 2)
+
+
+def _sigkill(kill: TPRankKill) -> None:
+    try:
+        os.kill(kill.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    kill.killed = True
 
 
 def _time_until_usable(deployment: Deployment, cleared: float, label: str,
@@ -484,17 +589,24 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's arguments; a fault the deployment cannot inject is refused here, naming
+    what it needs. ``skip_faults`` names each fault left out of the default draw and why."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--fault-rate", type=float, default=0.3)
     parser.add_argument("--max-decode-kills", type=int, default=2)
+    parser.add_argument("--decode-tp", type=int, choices=(1, 2), default=1,
+                        help="TP of the decode (and of the prefill and plain reference); "
+                             "2 needs 2 cores, one per worker")
+    parser.add_argument("--max-tp-rank-kills", type=int, default=2,
+                        help="how often decode_tp_rank_killed is drawn at most")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--concurrency", type=_positive, default=8,
                         help="requests in flight at once (each batch shares its fault)")
-    parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
-                        help="the faults drawn from (default: all)")
+    parser.add_argument("--faults", nargs="+", choices=FAULTS,
+                        help="the faults drawn from (default: all the deployment can inject)")
     parser.add_argument("--recovery-limit", type=float, default=120.0,
                         help="seconds after a fault within which the pair must serve again")
     parser.add_argument("--shm-mib", type=_positive, default=256,
@@ -504,10 +616,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    args.skip_faults = {}
+    if args.decode_tp == 1:
+        asked = [kind for kind in args.faults or () if kind in TP_ONLY_FAULTS]
+        if asked:
+            parser.error(f"--faults {' '.join(asked)} needs --decode-tp 2 (it kills a decode TP "
+                         "worker other than rank 0), got --decode-tp 1")
+        for kind in TP_ONLY_FAULTS:
+            args.skip_faults[kind] = "needs --decode-tp 2 (the decode runs TP 1)"
+    if args.faults is None:
+        args.faults = [kind for kind in FAULTS if kind not in args.skip_faults]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     again = [str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
     reexec_in_namespace(again)
     problem = why_no_private_shm()
-    args.skip_faults = {}
     if problem is None:
         reexec_with_private_shm(again, args.shm_mib)
     else:
@@ -525,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engines died on their own':<28}{result['crashes']:>6}")
     print(f"{'probes':<28}{result['probes']}")
     print(f"{'takeover':<28}{result['takeover']}")
+    print(f"{'decode TP':<28}{result['decode_tp']:>6}")
+    for kill in result["tp_rank_kills"]:
+        print(f"{'decode TP rank killed':<28}{kill}")
     print()
     print(f"{'fault':<22}" + "".join(f"{key:>15}" for key in OUTCOMES)
           + f"{'worst unusable':>16}")
@@ -550,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = (result["wrong"] + result["hung"] + result["crashes"]
            + sum(result["unrecovered"].values()) + result["probes"].get("wrong", 0)
            + result["probes"].get("hung", 0)
-           + result["takeover"]["answered"])
+           + result["takeover"]["answered"]
+           + sum(not kill["killed"] for kill in result["tp_rank_kills"]))
     return 0 if bad == 0 else 1
 
 
