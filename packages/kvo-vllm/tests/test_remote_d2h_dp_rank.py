@@ -11,8 +11,8 @@ import pytest
 from vllm.config import ParallelConfig
 
 from kvo_core.errors import ConfigError
-from kvo_vllm.remote_d2h.connector import rank_stats_file
 from kvo_vllm.remote_d2h.dp_rank import DecodeDpRank, decode_dp_rank, local_device_index
+from kvo_vllm.remote_d2h.stats_file import rank_stats_file
 
 
 def _engine_config(dp_size: int, dp_rank: int, tp_size: int = 1, *, moe: bool = True

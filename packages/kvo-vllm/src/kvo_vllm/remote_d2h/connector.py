@@ -75,7 +75,7 @@ from kvo_vllm.remote_d2h.options import RemoteD2HOptions
 from kvo_vllm.remote_d2h.pool_destination import indexer_block_label, pool_destination
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.remote_d2h.scheduler_side import RemoteD2HScheduler
-from kvo_vllm.remote_d2h.stats_file import StatsFile, rank_stats_path
+from kvo_vllm.remote_d2h.stats_file import StatsFile, rank_stats_file, rank_stats_path
 from kvo_vllm.remote_d2h.switch_interval import shorten_switch_interval
 from kvo_vllm.vllm_logging import join_vllm_logging
 from kvo_vllm.vllm_version import require_supported_vllm
@@ -119,14 +119,6 @@ def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: obje
             f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
             f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
             f"hand-off is not tested; run P/D without speculative_config")
-
-
-def rank_stats_file(path: str | None, dp: DecodeDpRank) -> str | None:
-    """Each DP rank's own stats file: ``path.dp<rank>`` with data parallelism, else ``path``
-    (the DP ranks' workers are different processes that would overwrite one file)."""
-    if path is None or dp.size == 1:
-        return path
-    return f"{path}.dp{dp.rank}"
 
 
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):

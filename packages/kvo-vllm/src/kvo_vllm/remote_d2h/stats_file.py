@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvo_vllm.remote_d2h.dp_rank import DecodeDpRank
+
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 0.5
@@ -45,6 +47,14 @@ class StatsFile:
             if not self._failed:
                 logger.warning("kvo: cannot write stats file %s: %s", self.path, error)
             self._failed = True
+
+
+def rank_stats_file(path: str | None, dp: DecodeDpRank) -> str | None:
+    """Each DP rank's own stats file: ``path.dp<rank>`` with data parallelism, else ``path``
+    (the DP ranks' workers are different processes that would overwrite one file)."""
+    if path is None or dp.size == 1:
+        return path
+    return f"{path}.dp{dp.rank}"
 
 
 def rank_stats_path(path: str | None, tp_rank: int) -> str | None:
