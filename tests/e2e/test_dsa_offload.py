@@ -123,7 +123,7 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
     stable rows of layer 0 that are (``resident``) or are not in its hot row."""
     from kvo_vllm.dsa import offload_manager
 
-    original = offload_manager.OffloadManager.gather_selected
+    original = offload_manager.OffloadManager.select_rows
     decode_calls = [0]
 
     def gather(self: Any, layer: int, topk: torch.Tensor, step: Any) -> Any:
@@ -131,7 +131,7 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
             decode_calls[0] += 1
             if decode_calls[0] == PROBE_STEP:
                 stable = int(step.seq_lens[0]) - 1
-                held = set(self.tables[0].slot_tokens[0].tolist()) - {-1}
+                held = set(self.layers.residency.tables[0].slot_tokens[0].tolist()) - {-1}
                 chosen = [p for p in range(stable) if (p in held) == resident]
                 assert chosen, "nothing to overwrite"
                 rows = torch.tensor(chosen)
@@ -143,14 +143,15 @@ def _overwrite_before_step(monkeypatch: pytest.MonkeyPatch, *, resident: bool,
                 return out
         return original(self, layer, topk, step)
 
-    monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected", gather)
-    return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "gather_selected",
+    monkeypatch.setattr(offload_manager.OffloadManager, "select_rows", gather)
+    return lambda: monkeypatch.setattr(offload_manager.OffloadManager, "select_rows",
                                        original)
 
 
 @pytest.fixture(scope="module")
 def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
-    from kvo_vllm.dsa import offload_manager
+    from kvo_kernels import ops
+    from kvo_vllm.dsa.gather import decode_step
     from kvo_vllm.dsa.offload_main_kv import offload_workers
 
     with pytest.MonkeyPatch.context() as mp:
@@ -167,14 +168,14 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         del llm
 
         copied = [0]
-        copy = offload_manager.ops.sparse_copy
+        copy = ops.sparse_copy
 
         def measured(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                      dst_rows: torch.Tensor, **kwargs: Any) -> None:
             copied[0] += dst_rows.numel() * dst.shape[1] * dst.element_size()
             copy(src, dst, src_rows, dst_rows, **kwargs)
 
-        copy_misses = offload_manager.copy_residency_misses_host
+        copy_misses = decode_step.copy_residency_misses_host
         one_pass = [0]
 
         def measured_one_pass(pool: torch.Tensor, hot: torch.Tensor, block_table: torch.Tensor,
@@ -188,8 +189,8 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
             assert done == listed
             return done
 
-        mp.setattr(offload_manager.ops, "sparse_copy", measured)
-        mp.setattr(offload_manager, "copy_residency_misses_host", measured_one_pass)
+        mp.setattr(ops, "sparse_copy", measured)
+        mp.setattr(decode_step, "copy_residency_misses_host", measured_one_pass)
         earlier = {id(w) for w in offload_workers()}  # other tests' engines in this process
         llm = _engine(dsv32_model, "offload")
         preempted = _count_preemptions(llm, mp)

@@ -315,7 +315,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     prompts = [[rng.randrange(256) for _ in range(context)] for _ in range(batch)]
     max_len = context + request_tokens(context, batch, decode_tokens) + 16
     trace: list[list[int]] = []
-    original = offload_manager.OffloadManager.gather_selected
+    original = offload_manager.OffloadManager.select_rows
 
     def recording(self: Any, layer: int, topk: Any, step: Any) -> Any:
         qsl = step.query_start_loc
@@ -323,7 +323,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             trace.append([p for p in topk[0].tolist() if p >= 0])
         return original(self, layer, topk, step)
 
-    offload_manager.OffloadManager.gather_selected = recording  # type: ignore[method-assign]
+    offload_manager.OffloadManager.select_rows = recording  # type: ignore[method-assign]
     if kernel_backend == "fused":
         _record_fused_trace(trace)
     modes = ("offload", "resident") if offload_first else ("resident", "offload")

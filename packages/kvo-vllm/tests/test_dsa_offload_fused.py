@@ -182,7 +182,7 @@ def test_fused_manager_keeps_latent_and_rope_apart_and_refuses_gather() -> None:
         rows = torch.arange(2 * (LATENT + ROPE), dtype=torch.float32).view(2, -1)
         manager.write(1, rows, torch.tensor([5, 9]))
         assert torch.equal(manager.read_pool(1, torch.tensor([5, 9])), rows)
-        assert manager.hot == [] and manager.hot_buffer_bytes == (
+        assert manager.layers.hot == [] and manager.hot_buffer_bytes == (
             LAYERS * MAX_ROWS * 2 * K * (LATENT + ROPE) * 4)
         with pytest.raises(RuntimeError, match="attend"):
             manager.gather(0, torch.zeros(1, K, dtype=torch.int64), torch.tensor([0, 1]),

@@ -136,10 +136,7 @@ def _run_steps(manager: OffloadManager, steps: int, seed: int) -> int:
             manager.write(layer, rows, torch.cat([slots, torch.tensor([-1])]))
             sched.truth[layer, slots] = rows
             # What manager.gather does, keeping the answer as the attention gets it.
-            selected = manager.identity_lane(layer, topk, qsl, seq_lens, table, len(batch))
-            if selected is None:
-                selected = manager.gather_selected(
-                    layer, topk, manager.step_inputs(qsl, seq_lens, table))
+            selected = manager.select_rows(layer, topk, manager.step_inputs(qsl, seq_lens, table))
             out, valid = selected.materialized()
             owner_slots = [[sched.slot(r, int(p)) if p >= 0 else 0 for p in row]
                            for r, row in zip(owners, topk.tolist(), strict=True)]
@@ -171,16 +168,16 @@ def _run_steps(manager: OffloadManager, steps: int, seed: int) -> int:
 def _count_direct_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the manager's calls of kvo's ``copy_residency_misses`` (the native decode step:
     misses copied straight from the residency result, attention over the hot buffer)."""
-    from kvo_vllm.dsa import offload_manager
+    from kvo_vllm.dsa.gather import decode_step
 
     calls: list[int] = []
-    original = offload_manager.copy_residency_misses_host
+    original = decode_step.copy_residency_misses_host
 
     def counting(*args: Any, **kwargs: Any) -> int:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(offload_manager, "copy_residency_misses_host", counting)
+    monkeypatch.setattr(decode_step, "copy_residency_misses_host", counting)
     return calls
 
 
@@ -188,7 +185,8 @@ def _count_direct_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_rows_equal_pool_rows_through_joins_moves_preemption_and_drafts(
         backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = _manager(residency_backend=backend, stats=OffloadStats(history_limit=10**6))
-    if backend == "native" and type(manager.tables[0]).__name__ != "NativeResidencyTable":
+    table = manager.layers.residency.tables[0]
+    if backend == "native" and type(table).__name__ != "NativeResidencyTable":
         manager.close()
         pytest.skip("kvo-kernels' native residency op does not build here")
     one_pass = _count_direct_copies(monkeypatch)
@@ -217,7 +215,7 @@ def test_pool_really_read_and_misses_copied_once(backend: str) -> None:
     row holds K rows, so the 9-token request is offloaded from its first decode step.) With
     the native backend the decode steps take the one-pass copy + gather."""
     manager = _manager(decode_query_rows=1, capacity=K, residency_backend=backend)
-    if backend == "native" and manager.copy_implementation != "native":
+    if backend == "native" and not manager.layers.native:
         manager.close()
         pytest.skip("kvo-kernels' native ops do not build here")
     try:
@@ -247,7 +245,7 @@ def test_pool_really_read_and_misses_copied_once(backend: str) -> None:
         out, _ = manager.gather(0, prefill_topk, torch.tensor([0, 3]), torch.tensor([11]), table)
         assert bool((out[:, 0] == -1.0).all())
         step = manager.step_inputs(torch.tensor([0, 3]), torch.tensor([11]), table)
-        selected = manager.gather_selected(0, prefill_topk, step)
+        selected = manager.select_rows(0, prefill_topk, step)
         assert selected.slots is not None
         assert selected.rows.data_ptr() == manager.pool_layer(0).data_ptr()
         assert selected.slots[:, 0].tolist() == [int(slots[5])] * 3
@@ -267,7 +265,7 @@ def test_a_mixed_step_reads_decode_rows_in_the_hot_buffer_and_prefill_rows_in_th
     buffer is not seen by the decode token (a hit), and the attention over the answer is
     the attention over the rows each token should see, bit for bit."""
     manager = _manager(decode_query_rows=1, capacity=K, residency_backend=backend)
-    if backend == "native" and manager.copy_implementation != "native":
+    if backend == "native" and not manager.layers.native:
         manager.close()
         pytest.skip("kvo-kernels' native ops do not build here")
     try:
@@ -285,7 +283,7 @@ def test_a_mixed_step_reads_decode_rows_in_the_hot_buffer_and_prefill_rows_in_th
                             + [[0, p, -1, -1, -1, -1] for p in range(prefill)])
         step = manager.step_inputs(torch.tensor([0, 1, 1 + prefill]),
                                    torch.tensor([10, prefill]), table)
-        selected = manager.gather_selected(0, topk, step)
+        selected = manager.select_rows(0, topk, step)
         assert selected.slots is not None and selected.overlay is not None
         assert selected.rows.data_ptr() == manager.pool_layer(0).data_ptr()
         assert selected.overlay.tokens.tolist() == [0]
@@ -345,9 +343,10 @@ def test_a_native_residency_that_cannot_build_falls_back_with_one_warning(
         manager = _manager(residency_backend="native")
         second = _manager(residency_backend="native")
     try:
-        assert len(manager.tables) > 1
-        assert all(isinstance(table, ResidencyTable) for table in manager.tables)
-        assert manager.copy_implementation is None
+        tables = manager.layers.residency.tables
+        assert len(tables) > 1
+        assert all(isinstance(table, ResidencyTable) for table in tables)
+        assert manager.layers.copy_implementation is None
         warnings = [r.getMessage() for r in caplog.records
                     if r.levelno == logging.WARNING and r.name == residency_backend.logger.name]
         assert len(warnings) == 1, warnings

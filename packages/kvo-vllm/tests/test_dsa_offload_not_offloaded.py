@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
-from kvo_vllm.dsa import offload_manager
+from kvo_kernels import ops
+from kvo_vllm.dsa.gather import decode_step, identity_step, native_lane
+from kvo_vllm.dsa.gather.contract import LayerCall
 from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, attend_selected
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
@@ -82,10 +84,8 @@ class _Harness:
             rows = torch.randn(len(positions), WIDTH, generator=self.gen)
             self.m.write(layer, rows, slots)
             self.resident.write(self.caches[layer], rows, slots, None)
-            selected = self.m.identity_lane(layer, picks, qsl, seq_lens, table, len(batch))
-            if selected is None:   # what OffloadManager.gather does, keeping the answer
-                step = self.m.step_inputs(qsl, seq_lens, table)
-                selected = self.m.gather_selected(layer, picks, step)
+            # What OffloadManager.gather does, keeping the answer.
+            selected = self.m.select_rows(layer, picks, self.m.step_inputs(qsl, seq_lens, table))
             out, valid = selected.materialized()
             resident = self.resident.gather(self.caches[layer], picks,
                                             _Metadata(table, token_request))
@@ -118,41 +118,41 @@ def harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         max_blocks_per_row=MAX_BLOCKS, top_k=K, capacity=CAP, decode_query_rows=1,
         pool_name=f"t-notoff-{uuid.uuid4().hex[:8]}", stats=OffloadStats(),
         residency_backend=request.param)
-    if request.param == "native" and manager.copy_implementation != "native":
+    if request.param == "native" and not manager.layers.native:
         manager.close()
         pytest.skip("kvo-kernels' native ops do not build here")
     h = _Harness(manager)
-    copy = offload_manager.ops.sparse_copy
+    copy = ops.sparse_copy
 
     def counted(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                 dst_rows: torch.Tensor, **kwargs: Any) -> None:
         h.copied_rows += int(dst_rows.numel())
         copy(src, dst, src_rows, dst_rows, **kwargs)
 
-    monkeypatch.setattr(offload_manager.ops, "sparse_copy", counted)
-    host_copy = offload_manager.copy_residency_misses_host
+    monkeypatch.setattr(ops, "sparse_copy", counted)
+    host_copy = decode_step.copy_residency_misses_host
 
     def counted_host(*args: Any, **kwargs: Any) -> int:
         h.host_copy_calls += 1
         return host_copy(*args, **kwargs)
 
-    monkeypatch.setattr(offload_manager, "copy_residency_misses_host", counted_host)
-    identity_step = offload_manager.identity_decode_step_host
+    monkeypatch.setattr(decode_step, "copy_residency_misses_host", counted_host)
+    one_step = identity_step.identity_decode_step_host
 
     def counted_identity(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
-        answer = identity_step(*args, **kwargs)
+        answer = one_step(*args, **kwargs)
         h.identity_step_calls += answer is not None
         return answer
 
-    monkeypatch.setattr(offload_manager, "identity_decode_step_host", counted_identity)
-    identity_lane = offload_manager.identity_decode_lane_host
+    monkeypatch.setattr(identity_step, "identity_decode_step_host", counted_identity)
+    identity_lane = native_lane.identity_decode_lane_host
 
     def counted_lane(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
         answer = identity_lane(*args, **kwargs)
         h.identity_lane_calls += answer is not None
         return answer
 
-    monkeypatch.setattr(offload_manager, "identity_decode_lane_host", counted_lane)
+    monkeypatch.setattr(native_lane, "identity_decode_lane_host", counted_lane)
     try:
         yield h
     finally:
@@ -173,11 +173,11 @@ def test_short_request_reads_identity_slots_without_copies(harness: _Harness) ->
     assert harness.copied_rows == 0                 # no miss copy while NOT_OFFLOADED
     # native: each steady step went through one identity_decode_lane call a layer (the
     # serials and the identity step in one), none through the two-call path
-    native = harness.m.copy_implementation == "native"
+    native = harness.m.layers.native
     assert harness.identity_lane_calls == (steady * LAYERS if native else 0)
     assert harness.identity_step_calls == 0
     assert harness.host_copy_calls == 0
-    hot = harness.m.hot[1][:CAP]                    # batch row 0: position p at slot p
+    hot = harness.m.layers.hot[1][:CAP]                    # batch row 0: position p at slot p
     for p in range(CAP):
         slot = req.blocks[p // BS] * BS + p % BS
         assert torch.equal(hot[p], harness.m.pool_layer(1)[slot])
@@ -194,7 +194,7 @@ def test_outgrowing_the_hot_row_copies_the_selection_once(harness: _Harness) -> 
         assert (s.first_offloads, s.identity_rows, s.identity_fills) == (1, 0, 0)
         assert s.misses == 4 == s.selected - 1      # distinct selected: 0 3 7 11
     assert harness.copied_rows == 4 * LAYERS
-    result = harness.m.results[0]
+    result = harness.m.layers.residency.results[0]
     assert result.miss_tokens[0, :4].tolist() == [0, 3, 7, 11]   # laid in ascending order
     assert result.miss_slots[0, :4].tolist() == [0, 1, 2, 3]
     stats = harness.step([(req, 1)], [[13, 0, 3, 7, 11, 12]])    # STEADY from here on
@@ -257,7 +257,7 @@ def test_the_one_call_lane_declines_what_is_not_its_steady_state(harness: _Harne
     """The lane answers only a plain decode step of rows it already holds; anything else
     (here: a top-k with a padded row, two query tokens, a row filled to another length) is
     left to the two-call path with nothing changed."""
-    if harness.m.copy_implementation != "native":
+    if not harness.m.layers.native:
         pytest.skip("the lane is a native op (this parameter runs the torch residency)")
     req = _Req(blocks=[5, 9, 2])
     harness.step([(req, 5)])
@@ -265,7 +265,8 @@ def test_the_one_call_lane_declines_what_is_not_its_steady_state(harness: _Harne
     table = torch.zeros(1, MAX_BLOCKS, dtype=torch.int32)
     table[0, :3] = torch.tensor(req.blocks, dtype=torch.int32)
     one = torch.tensor([[0, 1, 2, 3, 4, 5]])
-    held = harness.m.identity_rows[0]
+    held = harness.m.layers.held[0]
+    lane = next(s for s in harness.m.sources if s.name == "native_lane")
     before = (held.held_serials.clone(), held.filled.clone())
     cases = {
         "padded top-k": (torch.cat([one, one]), torch.tensor([0, 1]), 7),
@@ -273,9 +274,10 @@ def test_the_one_call_lane_declines_what_is_not_its_steady_state(harness: _Harne
         "a length its row is not filled to": (one, torch.tensor([0, 1]), 3),
     }
     for name, (topk, qsl, seq_len) in cases.items():
-        lane = harness.m.identity_lane(0, topk, qsl, torch.tensor([seq_len]), table, 1)
-        assert lane is None, name
+        step = harness.m.step_inputs(qsl, torch.tensor([seq_len]), table)
+        assert lane.select_rows(LayerCall(layer=0, topk=topk, step=step)) is None, name
         assert torch.equal(held.held_serials, before[0]) and torch.equal(held.filled, before[1])
-    lane = harness.m.identity_lane(0, one, torch.tensor([0, 1]), torch.tensor([7]), table, 1)
-    assert lane is not None                         # the steady step itself: taken
+    step = harness.m.step_inputs(torch.tensor([0, 1]), torch.tensor([7]), table)
+    taken = lane.select_rows(LayerCall(layer=0, topk=one, step=step))
+    assert taken is not None                        # the steady step itself: taken
     assert held.filled[0] == 7

@@ -106,7 +106,7 @@ def test_rank_1_attaches_to_rank_0s_pool_and_reads_after_the_notice() -> None:
                 manager.write(0, rows, slots)
             seen[group.rank] = (manager.pool_layer(0)[BS * 3].clone(),
                                 manager.store.pool.name, manager.store.pool.is_creator,
-                                int(manager.identity[0].state.versions[3]),
+                                int(manager.layers.identity[0].state.versions[3]),
                                 manager.pool_region[1])
             started.wait()
         finally:

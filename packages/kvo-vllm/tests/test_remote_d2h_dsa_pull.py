@@ -167,7 +167,7 @@ def test_main_kv_lands_in_the_host_pool_and_indexer_in_its_cache(
             assert bool((caches[main_name(i)] == -7.0).all())  # the placeholder
         assert sorted(noted) == sorted(DST_BLOCKS)
         assert all(int(identity._versions[list(DST_BLOCKS)].min()) > 0
-                   for identity in manager.identity)
+                   for identity in manager.layers.identity)
         stats = puller.snapshot()
         assert stats["main_into_host_pool"] is True and stats["received"] == 1
         per_part = stats["per_part"]

@@ -37,7 +37,7 @@ def _patch_manager(module: Any) -> None:
     records = Path(PROBE_DIR or ".")
     switch = records / "switch"
     cls = module.OffloadManager
-    write, gather = cls.write, cls.gather_selected
+    write, gather = cls.write, cls.select_rows
     state: dict[str, Any] = {"writes": 0, "tag": ""}
 
     def tag() -> str:
@@ -53,12 +53,12 @@ def _patch_manager(module: Any) -> None:
             if (current == "corrupt" and state["writes"] == PROBE_STEP
                     and self.notices is not None and self.notices.writer):
                 self._write_rows(layer, rows, slots)
-                identity = self.identity[0].state
+                identity = self.layers.identity[0].state
                 blocks = identity.recorded_blocks[0, :int(identity.covered[0])]
                 new = int(slots.reshape(-1)[0])
                 bs = self.block_size
                 position = int((blocks == new // bs).nonzero()[0, 0]) * bs + new % bs
-                held = set(self.tables[0].slot_tokens[0].tolist())
+                held = set(self.layers.residency.tables[0].slot_tokens[0].tolist())
                 chosen = torch.tensor([p for p in range(position) if p not in held])
                 if chosen.numel():
                     self.pool_layer(0)[blocks[chosen // bs] * bs + chosen % bs] = 30.0
@@ -79,7 +79,7 @@ def _patch_manager(module: Any) -> None:
         return selected
 
     cls.write = probed_write
-    cls.gather_selected = probed_gather
+    cls.select_rows = probed_gather
 
 
 def _patch_store(module: Any) -> None:

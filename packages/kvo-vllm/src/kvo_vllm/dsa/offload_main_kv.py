@@ -24,9 +24,10 @@ import torch
 
 from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.config import decode_query_rows, uses_fused_ops
+from kvo_vllm.dsa.gather.contract import StepInputs
 from kvo_vllm.dsa.main_kv import LayerInfo, SelectedRows, cache_rows
 from kvo_vllm.dsa.offload_fused import IndexerInputs
-from kvo_vllm.dsa.offload_manager import OffloadManager, StepInputs
+from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.dsa.offload_stats import OffloadStats
 from kvo_vllm.dsa.offload_tp import vllm_tp_group
 from kvo_vllm.sparse.layout import SparseModelLayout
@@ -211,14 +212,9 @@ class OffloadMainKV:
 
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
-        requests = int(metadata.num_reqs)
-        lane = manager.identity_lane(self.index, topk, metadata.query_start_loc,
-                                     metadata.seq_lens, metadata.block_table, requests)
-        if lane is not None:
-            return lane
         step = self.worker.step_inputs(manager, metadata)
         tokens = step.tokens
-        selected = manager.gather_selected(self.index, topk[:tokens], step)
+        selected = manager.select_rows(self.index, topk[:tokens], step)
         if tokens < topk.shape[0]:  # padded tokens: no rows
             pad = topk.shape[0] - tokens
             valid = torch.cat([selected.valid, selected.valid.new_zeros(pad, topk.shape[1])])
