@@ -181,7 +181,8 @@ def test_fused_manager_keeps_latent_and_rope_apart_and_refuses_gather() -> None:
         assert latent.shape == (NUM_BLOCKS, BS, LATENT) and rope.shape == (NUM_BLOCKS, BS, ROPE)
         rows = torch.arange(2 * (LATENT + ROPE), dtype=torch.float32).view(2, -1)
         manager.write(1, rows, torch.tensor([5, 9]))
-        assert torch.equal(manager.read_pool(1, torch.tensor([5, 9])), rows)
+        latent, rope = (part.flatten(0, 1) for part in manager.pool_parts(1))
+        assert torch.equal(torch.cat([latent[[5, 9]], rope[[5, 9]]], dim=-1), rows)
         assert manager.layers.hot == [] and manager.hot_buffer_bytes == (
             LAYERS * MAX_ROWS * 2 * K * (LATENT + ROPE) * 4)
         with pytest.raises(RuntimeError, match="attend"):

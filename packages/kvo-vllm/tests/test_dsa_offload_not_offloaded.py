@@ -18,7 +18,7 @@ import torch
 
 from kvo_core.config import SparseDecodeOffloadConfig
 from kvo_kernels import ops
-from kvo_vllm.dsa.gather import decode_step, identity_step, native_lane
+from kvo_vllm.dsa.gather import decode_step, native_lane
 from kvo_vllm.dsa.gather.contract import LayerCall
 from kvo_vllm.dsa.main_kv import LayerInfo, PagedMainKV, attend_selected
 from kvo_vllm.dsa.offload_manager import OffloadManager
@@ -55,7 +55,6 @@ class _Harness:
         self.caches = [torch.zeros(NUM_BLOCKS, BS, WIDTH) for _ in range(LAYERS)]
         self.copied_rows = 0
         self.host_copy_calls = 0       # copy_residency_misses calls
-        self.identity_step_calls = 0   # identity_decode_step calls that served the step
         self.identity_lane_calls = 0   # identity_decode_lane calls that served the step
 
     def step(self, batch: list[tuple[_Req, int]], topk: list[list[int]] | None = None
@@ -137,14 +136,6 @@ def harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         return host_copy(*args, **kwargs)
 
     monkeypatch.setattr(decode_step, "copy_residency_misses_host", counted_host)
-    one_step = identity_step.identity_decode_step_host
-
-    def counted_identity(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
-        answer = one_step(*args, **kwargs)
-        h.identity_step_calls += answer is not None
-        return answer
-
-    monkeypatch.setattr(identity_step, "identity_decode_step_host", counted_identity)
     identity_lane = native_lane.identity_decode_lane_host
 
     def counted_lane(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
@@ -172,10 +163,9 @@ def test_short_request_reads_identity_slots_without_copies(harness: _Harness) ->
         steady += 1
     assert harness.copied_rows == 0                 # no miss copy while NOT_OFFLOADED
     # native: each steady step went through one identity_decode_lane call a layer (the
-    # serials and the identity step in one), none through the two-call path
+    # serials and the identity step in one)
     native = harness.m.layers.native
     assert harness.identity_lane_calls == (steady * LAYERS if native else 0)
-    assert harness.identity_step_calls == 0
     assert harness.host_copy_calls == 0
     hot = harness.m.layers.hot[1][:CAP]                    # batch row 0: position p at slot p
     for p in range(CAP):

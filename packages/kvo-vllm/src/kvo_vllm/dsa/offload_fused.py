@@ -31,12 +31,17 @@ vLLM's top-k buffer is not written for these rows: only kvo's own attention impl
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import torch
 
 from kvo_core.residency import RequestState
 from kvo_kernels import ops
 from kvo_kernels.cache_pool import new_cache_slots_pool
+from kvo_vllm.dsa.gather.contract import GatherCounts, StepInputs
+from kvo_vllm.dsa.main_kv import attend_rows
+from kvo_vllm.dsa.offload_identity import RowIdentity
 
 _I64 = torch.int64
 
@@ -61,19 +66,24 @@ class FusedDecodeResult:
 
 
 class FusedDecode:
-    """Hot buffers (latent, rope) and residency entries of every layer for the fused ops."""
+    """Hot buffers (latent, rope) and residency entries of every layer for the fused ops, and
+    the layer calls they serve (:meth:`attend`). ``identity``: the manager's row identity of
+    every layer."""
 
-    def __init__(self, *, num_layers: int, max_rows: int, capacity: int, block_size: int,
-                 top_k: int, decode_query_rows: int, latent_dim: int, rope_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, identity: list[RowIdentity], *, num_layers: int, max_rows: int,
+                 capacity: int, block_size: int, top_k: int, decode_query_rows: int,
+                 latent_dim: int, rope_dim: int, dtype: torch.dtype, device: torch.device
+                 ) -> None:
         if capacity % block_size:
             raise ValueError(f"hot capacity {capacity} must be a multiple of the block size "
                              f"{block_size} (the fused op pages the hot buffer by blocks)")
-        self.max_rows = max_rows
+        self.identity = identity
         self.capacity = capacity
         self.block_size = block_size
         self.top_k = top_k
+        self.decode_query_rows = decode_query_rows
         self.miss_width = decode_query_rows * top_k
+        self.latent_dim = latent_dim
         self.device = device
         blocks = max_rows * capacity // block_size
         self.hot_latent = [torch.zeros(blocks, block_size, 1, latent_dim, dtype=dtype,
@@ -133,3 +143,53 @@ class FusedDecode:
             self.hot_rope[layer], self.hot_latent[layer], pool_rope, pool_latent, scale, out)
         return FusedDecodeResult(output=out, selected=int((topk_src >= 0).sum()),
                                  misses=int(miss_counts.sum()))
+
+    def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
+               topk: torch.Tensor, step: StepInputs, pool: tuple[torch.Tensor, torch.Tensor],
+               indexer: IndexerInputs, scale: float
+               ) -> tuple[torch.Tensor, GatherCounts, float]:
+        """A layer call: (output ``[T, N, latent]``, its counts, the fused ops' seconds).
+        Decode rows through :meth:`run`; the other tokens attend to their ``topk`` rows read
+        straight from ``pool``, the layer's (latent, rope) ``[num_blocks, block_size, D]``.
+        There are no NOT_OFFLOADED rows here yet: every decode row goes through the ops."""
+        seq_lens, query_lens, blocks = step.seq_lens, step.query_lens, step.blocks
+        count, requests, bs = int(query.shape[0]), step.requests, self.block_size
+        req = torch.repeat_interleave(torch.arange(requests, dtype=_I64), query_lens)
+        if req.numel() != count:
+            raise ValueError(f"query has {count} rows, the query start locations name "
+                             f"{req.numel()} tokens")
+        serials = self.identity[layer].serials(blocks, seq_lens, query_lens)
+        decode = (query_lens >= 1) & (query_lens <= self.decode_query_rows)
+        decode_tok = decode[req]
+        self.identity[layer].forget(~decode)
+        out = torch.empty(query.shape, dtype=query.dtype, device=self.device)
+        direct = (~decode_tok).nonzero().squeeze(1)
+        latent, rope = pool
+        if direct.numel():
+            picks = topk[:count].cpu().to(_I64)[direct]
+            valid = picks >= 0
+            pos = picks.clamp(min=0)
+            pool_rows = blocks[req[direct]].gather(1, pos // bs) * bs + pos % bs
+            rows = torch.cat([latent.flatten(0, 1)[pool_rows], rope.flatten(0, 1)[pool_rows]],
+                             dim=-1).to(self.device)
+            rows[~valid.to(self.device)] = 0
+            where = direct.to(self.device)
+            out[where] = attend_rows(query[where], query_rope[where], rows,
+                                     valid.to(self.device), self.latent_dim, scale)
+        counts = GatherCounts(
+            decode_rows=int(decode.sum()), decode_tokens=int(decode_tok.sum()),
+            pool_rows=int((~decode).sum()), selected=0, misses=0,
+            reload_tokens=int(seq_lens[decode].sum()), pool_rows_used=int(seq_lens.sum()))
+        if not bool(decode.any()):
+            return out, counts, 0.0
+        started = time.perf_counter()
+        rows_b = decode.nonzero().squeeze(1)
+        tokens = decode_tok.nonzero().squeeze(1)
+        result = self.run(
+            layer, query=query, query_rope=query_rope, indexer=indexer, tokens=tokens,
+            rows=rows_b, query_lens=query_lens[rows_b], seq_lens=seq_lens[rows_b],
+            blocks=blocks[rows_b], serials=serials[rows_b], pool_latent=latent,
+            pool_rope=rope, scale=scale)
+        out[tokens.to(self.device)] = result.output
+        counts.selected, counts.misses = result.selected, result.misses
+        return out, counts, time.perf_counter() - started

@@ -20,7 +20,7 @@ gets bit-identical rows in top-k order, so attention over them equals the reside
 Row identity between calls: ``offload_identity.RowIdentity``.
 
 With ``fused=True`` (``kernel_backend="fused"``) :meth:`OffloadManager.attend` serves the
-layer instead (:mod:`kvo_vllm.dsa.gather.fused`); the pool then keeps latent and rope apart.
+layer instead (:mod:`kvo_vllm.dsa.offload_fused`); the pool then keeps latent and rope apart.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from kvo_core.errors import ConfigError
 from kvo_kernels.host_identity import pool_write_rows_host
 from kvo_vllm.dsa.gather.choose import choose_row_sources
 from kvo_vllm.dsa.gather.contract import GatherCounts, LayerCall, StepInputs
-from kvo_vllm.dsa.gather.fused import FusedAttention
 from kvo_vllm.dsa.gather.layers import OffloadLayers
 from kvo_vllm.dsa.main_kv import SelectedRows
-from kvo_vllm.dsa.offload_fused import IndexerInputs
+from kvo_vllm.dsa.offload_fused import FusedDecode, IndexerInputs
 from kvo_vllm.dsa.offload_stats import OffloadLayerStats, OffloadStats
 from kvo_vllm.dsa.offload_tp import TPGroup, WriteNotices, open_shared_store
 from kvo_vllm.sparse.host_store import HostKVStore, pool_bytes_for
@@ -93,7 +92,7 @@ class OffloadManager:
         # Rows are written by this rank (TP 1, or TP rank 0) or by TP rank 0 of this DP rank
         # into the pool this rank attached to (``offload_tp``: the write order).
         self.notices: WriteNotices | None = None
-        self.fused: FusedAttention | None = None
+        self.fused: FusedDecode | None = None
         if tp_group is None:
             self.store = HostKVStore.create(pool_name, nbytes, layout, block_size,
                                             rope_apart=fused)
@@ -115,7 +114,7 @@ class OffloadManager:
                 dtype=layout.kv_dtype, device=device, residency_backend=residency_backend,
                 copy_implementation=copy_implementation)
             if fused:
-                self.fused = FusedAttention(
+                self.fused = FusedDecode(
                     self.layers.identity, num_layers=layout.num_layers, max_rows=max_rows,
                     capacity=capacity, block_size=block_size, top_k=top_k,
                     decode_query_rows=decode_query_rows, latent_dim=layout.latent_dim,
@@ -155,13 +154,6 @@ class OffloadManager:
         latent = self.store.latent(layer)[:blocks * bs]
         rope = self.store.rope(layer)[:blocks * bs]
         return latent.view(blocks, bs, -1), rope.view(blocks, bs, -1)
-
-    def read_pool(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Pool rows ``rows`` (slot ids, any shape) as ``[..., row_dim]`` (a copy)."""
-        if self.fused is None:
-            return self.pool_layer(layer)[rows]
-        latent, rope = (part.flatten(0, 1) for part in self.pool_parts(layer))
-        return torch.cat([latent[rows], rope[rows]], dim=-1)
 
     def pool_layer_base(self, layer: int) -> int:
         """Address of layer ``layer``'s first pool row (block ``b`` starts
@@ -259,12 +251,21 @@ class OffloadManager:
 
     def step_inputs(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, requests: int | None = None) -> StepInputs:
-        """What every layer of a step reads from vLLM's metadata. ``requests``: the batch's
-        rows when the tensors are vLLM's whole buffers (default: ``len(seq_lens)``)."""
+        """What every layer of a step reads from vLLM's metadata, computed once. ``requests``:
+        the batch's rows when the tensors are vLLM's whole buffers (default: ``len(seq_lens)``).
+        The scalars come from Python lists: at a step's start (cold caches) a NumPy reduction
+        on a few elements costs several microseconds, a list's ``min`` well under one."""
         rows = int(seq_lens.shape[0]) if requests is None else requests
-        return StepInputs(raw_query_start_loc=_host_rows(query_start_loc, rows + 1),
-                          raw_seq_lens=_host_rows(seq_lens, rows),
-                          raw_blocks=_host_rows(block_table, rows))
+        qsl, lens = _host_rows(query_start_loc, rows + 1), _host_rows(seq_lens, rows)
+        starts: list[int] = qsl.numpy().tolist()
+        lengths: list[int] = lens.numpy().tolist()
+        return StepInputs(
+            raw_query_start_loc=qsl, raw_seq_lens=lens, raw_blocks=_host_rows(block_table, rows),
+            tokens=starts[rows] if len(starts) > rows else 0,
+            # Every row one query token: the starts count up by one from the first.
+            one_token_each=bool(starts) and starts == list(range(starts[0],
+                                                                 starts[0] + rows + 1)),
+            shortest=min(lengths, default=0), longest=max(lengths, default=0))
 
     def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

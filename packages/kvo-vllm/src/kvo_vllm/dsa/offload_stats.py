@@ -8,8 +8,9 @@ construction of the copy, which tests check against the bytes the copy op really
 NOT_OFFLOADED rows (``identity_rows``, whose sequence fits their hot row) count their selected
 entries as hits; ``identity_fills`` counts the rows copied pool -> hot row to keep them
 complete (one per row and step, a whole prompt when a request joins), not in ``misses``.
-``residency_seconds`` is the wall time of the residency update and the miss copies (with
-``kernel_backend="fused"``: of the two fused ops, which also score the indexer and attend).
+``residency_seconds`` is the wall time of the layer call's gather (residency update, miss
+copies, identity fills and their index work; with ``kernel_backend="fused"``: of the two fused
+ops, which also score the indexer and attend).
 
 The same totals reach vLLM's ``/metrics`` through kvo's connectors (:mod:`kvo_vllm.metrics`).
 """

@@ -11,10 +11,10 @@ from kvo_vllm.dsa.gather.reference import ReferenceGather
 
 
 def choose_row_sources(layers: OffloadLayers) -> tuple[RowSource, ...]:
-    """The chain each call walks until one answers: with kvo's C++ host ops the one-call lane
-    first (it computes the row serials itself), then the plain decode step of offloaded rows,
-    the steady identity step, and the reference, which answers every call. (Fused mode has no
-    row source: its decode rows go through ``FusedAttention``.)"""
-    chain: list[RowSource] = [NativeLaneGather(layers)] if layers.native else []
-    return (*chain, DecodeStepGather(layers), IdentityStepGather(layers),
-            ReferenceGather(layers))
+    """The chain each call walks until one answers: the steady identity step (with kvo's C++
+    host ops the one-call lane, asked first: it computes the row serials itself), the plain
+    decode step of offloaded rows, and the reference, which answers every call. (Fused mode
+    has no row source: its decode rows go through ``offload_fused``.)"""
+    if layers.native:
+        return NativeLaneGather(layers), DecodeStepGather(layers), ReferenceGather(layers)
+    return DecodeStepGather(layers), IdentityStepGather(layers), ReferenceGather(layers)

@@ -32,47 +32,20 @@ class StepInputs:
     """vLLM's step metadata as the gathers read it, the same for every layer of the step.
 
     ``raw_*`` are the first R rows of vLLM's own index tensors (int32 or int64, on the CPU),
-    valid for this step only; kvo's C++ ops read either width. Everything else is computed on
-    first use and kept for the step's other layers (a small op costs microseconds here, and a
-    plain decode step's whole offload budget is tens of them)."""
+    valid for this step only; kvo's C++ ops read either width. The int64 copies the other
+    paths compute with are made on first use and kept for the step's other layers."""
 
     raw_query_start_loc: torch.Tensor   # [R + 1]
     raw_seq_lens: torch.Tensor          # [R]
     raw_blocks: torch.Tensor            # [R, blocks] (the block table's first R rows)
+    tokens: int                         # the step's query tokens (query_start_loc[R])
+    one_token_each: bool                # every row has exactly one query token (plain decode)
+    shortest: int                       # min(seq_lens), 0 without rows
+    longest: int                        # max(seq_lens), 0 without rows
 
     @property
     def requests(self) -> int:
         return int(self.raw_seq_lens.shape[0])
-
-    @functools.cached_property
-    def _scalars(self) -> tuple[int, bool, int, int]:
-        """(tokens, one_token_each, shortest, longest) from Python lists: at a step's start
-        (cold caches) a NumPy reduction over a few elements costs more than a list's."""
-        rows = self.requests
-        starts: list[int] = self.raw_query_start_loc.numpy().tolist()
-        lengths: list[int] = self.raw_seq_lens.numpy().tolist()
-        return (starts[rows] if len(starts) > rows else 0,
-                # Every row one query token: the starts count up by one from the first.
-                bool(starts) and starts == list(range(starts[0], starts[0] + rows + 1)),
-                min(lengths, default=0), max(lengths, default=0))
-
-    @property
-    def tokens(self) -> int:
-        """The step's query tokens (``query_start_loc[R]``)."""
-        return self._scalars[0]
-
-    @property
-    def one_token_each(self) -> bool:
-        """Every row has exactly one query token (a plain decode step)."""
-        return self._scalars[1]
-
-    @property
-    def shortest(self) -> int:
-        return self._scalars[2]
-
-    @property
-    def longest(self) -> int:
-        return self._scalars[3]
 
     @functools.cached_property
     def query_start_loc(self) -> torch.Tensor:
@@ -94,12 +67,6 @@ class StepInputs:
         """``[R]`` int64: each row's query tokens."""
         qsl = self.query_start_loc
         return qsl[1:self.requests + 1] - qsl[:self.requests]
-
-    @functools.cached_property
-    def lens(self) -> np.ndarray:
-        """:attr:`seq_lens` as NumPy (the same memory)."""
-        lens: np.ndarray = self.seq_lens.numpy()
-        return lens
 
 
 @attrs.define(eq=False)

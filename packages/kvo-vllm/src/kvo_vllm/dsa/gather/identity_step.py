@@ -1,18 +1,16 @@
 """A plain decode step of NOT_OFFLOADED rows in their steady state: every row decodes one token,
 fits its hot row and holds the request it held last call, filled up to its new position. Copy
 each row's new position into its identity slot and answer with the hot buffer at slots
-``row * capacity + position``: no residency, no miss copy. With kvo's C++ host ops this is
-one call (``identity_decode_step``: the same copies, state and answer)."""
+``row * capacity + position``: no residency, no miss copy. Where kvo's C++ host ops are loaded
+the native lane serves these steps instead (:mod:`.native_lane`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kvo_kernels.host_identity import identity_decode_step_host
 from kvo_vllm.dsa.gather.contract import GatherCounts, Gathered, LayerCall
 from kvo_vllm.dsa.gather.layers import OffloadLayers
-from kvo_vllm.dsa.main_kv import SelectedRows
 from kvo_vllm.dsa.offload_hot_rows import IdentityPlan
 
 
@@ -38,37 +36,17 @@ class IdentityStepGather:
         if not (step.one_token_each and requests and topk.shape[0] == requests
                 and step.longest <= lay.capacity):
             return None
-        serials = lay.serials(call)
-        if lay.native and topk.shape[1] <= lay.top_k:
-            return self._native(call, serials)
-        layer = call.layer
-        if not lay.held[layer].advance_decode_step(serials.numpy(), step.lens):
+        layer, lens = call.layer, step.seq_lens.numpy()
+        if not lay.held[layer].advance_decode_step(lay.serials(call).numpy(), lens):
             return None
         filled = lay.fill_identity_rows(layer, IdentityPlan(   # each row's new position
             identity=torch.ones(requests, dtype=torch.bool),
             first=torch.zeros(requests, dtype=torch.bool),
             fill_rows=torch.arange(requests, dtype=torch.int64),
-            fill_pos=torch.from_numpy(step.lens - 1)), step.blocks)
+            fill_pos=torch.from_numpy(lens - 1)), step.blocks)
         picks = topk.numpy()
         valid = picks >= 0
-        hot_slots = np.where(valid, picks + lay.row_base[:requests], -1)
-        return Gathered(
-            rows=SelectedRows(rows=lay.hot[layer], valid=torch.from_numpy(valid).to(lay.device),
-                              slots=torch.from_numpy(hot_slots).to(lay.device)),
-            counts=identity_counts(requests, int(np.count_nonzero(valid)), int(step.lens.sum()),
-                                   filled))
+        return Gathered(rows=lay.hot_answer(layer, picks, valid),
+                        counts=identity_counts(requests, int(np.count_nonzero(valid)),
+                                               int(lens.sum()), filled))
 
-    def _native(self, call: LayerCall, serials: torch.Tensor) -> Gathered | None:
-        lay, layer, step = self.layers, call.layer, call.step
-        requests, width = call.topk.shape
-        held = lay.held[layer]
-        slots, valid = lay.answer(requests, width)
-        answer = identity_decode_step_host(
-            lay.pools[layer], lay.hot[layer], step.raw_blocks, step.raw_seq_lens, serials,
-            held.held_serials, held.filled, call.topk, slots, valid, rows=requests,
-            block_size=lay.block_size, capacity=lay.capacity)
-        if answer is None:
-            return None
-        selected, context = answer
-        return Gathered(rows=SelectedRows(rows=lay.hot[layer], valid=valid, slots=slots),
-                        counts=identity_counts(requests, selected, context, requests))

@@ -1,10 +1,13 @@
 """The steady state of short requests in one C++ call (kvo-kernels' ``identity_decode_lane``):
 the row serials and the identity step together, from vLLM's own metadata tensors, with the
-same state and answer as :mod:`.identity_step`. At a short context the offload path's cost
+same state and answer as :mod:`.identity_step` (which it replaces where kvo's C++ host ops
+are loaded). At a short context the offload path's cost
 over resident mode's was its Python at a step's first layer (caches cold after sampling and
 scheduling); this lane is what is left of it. Only where kvo's C++ host ops are loaded."""
 
 from __future__ import annotations
+
+import torch
 
 from kvo_kernels.host_identity import identity_decode_lane_host
 from kvo_vllm.dsa.gather.contract import Gathered, LayerCall
@@ -22,6 +25,11 @@ class NativeLaneGather:
 
     def __init__(self, layers: OffloadLayers) -> None:
         self.layers = layers
+        # The answer: each token's hot rows and validity, caller-owned (read by the layer's
+        # attention before its next call), viewed once per shape.
+        self._hot_slots = torch.empty(layers.max_rows * layers.top_k, dtype=torch.int64)
+        self._valid = torch.empty(layers.max_rows * layers.top_k, dtype=torch.bool)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def select_rows(self, call: LayerCall) -> Gathered | None:
         lay, layer, step, topk = self.layers, call.layer, call.step, call.topk
@@ -31,7 +39,13 @@ class NativeLaneGather:
                 or requests > lay.max_rows or topk.dim() != 2 or topk.shape[0] != requests
                 or topk.shape[1] > lay.top_k):
             return None
-        slots, valid = lay.answer(requests, int(topk.shape[1]))
+        width = int(topk.shape[1])
+        views = self._views.get((requests, width))
+        if views is None:
+            views = self._views[(requests, width)] = (
+                self._hot_slots[:requests * width].view(requests, width),
+                self._valid[:requests * width].view(requests, width))
+        slots, valid = views
         answer = identity_decode_lane_host(
             lay.pools[layer], lay.hot[layer], step.raw_query_start_loc, step.raw_seq_lens,
             step.raw_blocks, lay.identity[layer].state, held.held_serials, held.filled, topk,
