@@ -214,7 +214,8 @@ class OffloadMainKV:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
         step = self.worker.step_inputs(manager, metadata)
         tokens = step.tokens
-        selected = manager.select_rows(self.index, topk[:tokens], step)
+        selected = manager.select_rows(
+            self.index, topk if topk.shape[0] == tokens else topk[:tokens], step)
         if tokens < topk.shape[0]:  # padded tokens: no rows
             pad = topk.shape[0] - tokens
             valid = torch.cat([selected.valid, selected.valid.new_zeros(pad, topk.shape[1])])

@@ -46,11 +46,6 @@ from kvo_vllm.sparse.layout import SparseModelLayout
 _I64 = torch.int64
 
 
-def _host_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first ``rows`` rows of one of vLLM's index tensors, on the CPU (a view there)."""
-    return tensor[:rows] if tensor.device.type == "cpu" else tensor[:rows].cpu()
-
-
 def _positive(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -230,7 +225,7 @@ class OffloadManager:
         until the layer's next call."""
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
-        call = LayerCall(layer=layer, topk=topk.cpu(), step=step)
+        call = LayerCall(layer=layer, topk=topk if topk.is_cpu else topk.cpu(), step=step)
         started = time.perf_counter()
         for source in self.sources:
             answer = source.select_rows(call)
@@ -251,21 +246,11 @@ class OffloadManager:
 
     def step_inputs(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, requests: int | None = None) -> StepInputs:
-        """What every layer of a step reads from vLLM's metadata, computed once. ``requests``:
-        the batch's rows when the tensors are vLLM's whole buffers (default: ``len(seq_lens)``).
-        The scalars come from Python lists: at a step's start (cold caches) a NumPy reduction
-        on a few elements costs several microseconds, a list's ``min`` well under one."""
-        rows = int(seq_lens.shape[0]) if requests is None else requests
-        qsl, lens = _host_rows(query_start_loc, rows + 1), _host_rows(seq_lens, rows)
-        starts: list[int] = qsl.numpy().tolist()
-        lengths: list[int] = lens.numpy().tolist()
-        return StepInputs(
-            raw_query_start_loc=qsl, raw_seq_lens=lens, raw_blocks=_host_rows(block_table, rows),
-            tokens=starts[rows] if len(starts) > rows else 0,
-            # Every row one query token: the starts count up by one from the first.
-            one_token_each=bool(starts) and starts == list(range(starts[0],
-                                                                 starts[0] + rows + 1)),
-            shortest=min(lengths, default=0), longest=max(lengths, default=0))
+        """What every layer of a step reads from vLLM's metadata (the first ``requests`` rows
+        of its tensors, default ``len(seq_lens)``), kept by the caller for the step's layers."""
+        return StepInputs(vllm_query_start_loc=query_start_loc, vllm_seq_lens=seq_lens,
+                          vllm_block_table=block_table,
+                          requests=int(seq_lens.shape[0]) if requests is None else requests)
 
     def attend(self, layer: int, query: torch.Tensor, query_rope: torch.Tensor,
                topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

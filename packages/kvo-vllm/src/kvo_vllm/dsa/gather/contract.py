@@ -21,6 +21,11 @@ import torch
 from kvo_vllm.dsa.main_kv import SelectedRows
 
 
+def _host_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of one of vLLM's index tensors, on the CPU (a view there)."""
+    return tensor[:rows] if tensor.device.type == "cpu" else tensor[:rows].cpu()
+
+
 def _int64_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU index tensor as a new int64 tensor (never a view of vLLM's buffer). Through
     NumPy: half the time of torch's ``to``."""
@@ -31,21 +36,59 @@ def _int64_copy(tensor: torch.Tensor) -> torch.Tensor:
 class StepInputs:
     """vLLM's step metadata as the gathers read it, the same for every layer of the step.
 
-    ``raw_*`` are the first R rows of vLLM's own index tensors (int32 or int64, on the CPU),
-    valid for this step only; kvo's C++ ops read either width. The int64 copies the other
-    paths compute with are made on first use and kept for the step's other layers."""
+    ``vllm_*`` are vLLM's own index tensors as given (their first R rows are this step's,
+    valid for this step only; int32 or int64; kvo's C++ ops read either width, so the native
+    lane reads them as they are). Everything else is computed on first use and kept for the
+    step's other layers (a small op costs microseconds here; a plain decode step's whole
+    offload budget is tens of them)."""
 
-    raw_query_start_loc: torch.Tensor   # [R + 1]
-    raw_seq_lens: torch.Tensor          # [R]
-    raw_blocks: torch.Tensor            # [R, blocks] (the block table's first R rows)
-    tokens: int                         # the step's query tokens (query_start_loc[R])
-    one_token_each: bool                # every row has exactly one query token (plain decode)
-    shortest: int                       # min(seq_lens), 0 without rows
-    longest: int                        # max(seq_lens), 0 without rows
+    vllm_query_start_loc: torch.Tensor  # [>= R + 1]
+    vllm_seq_lens: torch.Tensor         # [>= R]
+    vllm_block_table: torch.Tensor      # [>= R, blocks]
+    requests: int                       # R, the batch's rows
+
+    @functools.cached_property
+    def raw_query_start_loc(self) -> torch.Tensor:
+        """``[R + 1]``, a CPU view where vLLM's is on the CPU."""
+        return _host_rows(self.vllm_query_start_loc, self.requests + 1)
+
+    @functools.cached_property
+    def raw_seq_lens(self) -> torch.Tensor:
+        return _host_rows(self.vllm_seq_lens, self.requests)
+
+    @functools.cached_property
+    def raw_blocks(self) -> torch.Tensor:
+        """``[R, blocks]``: the block table's first R rows."""
+        return _host_rows(self.vllm_block_table, self.requests)
+
+    @functools.cached_property
+    def tokens(self) -> int:
+        """The step's query tokens (``query_start_loc[R]``)."""
+        qsl, rows = self.vllm_query_start_loc, self.requests
+        return int(qsl[rows]) if qsl.shape[0] > rows else 0
+
+    @functools.cached_property
+    def _scalars(self) -> tuple[bool, int, int]:
+        """(one_token_each, shortest, longest) from Python lists: at a step's start (cold
+        caches) a NumPy reduction over a few elements costs more than a list's ``min``."""
+        starts: list[int] = self.raw_query_start_loc.numpy().tolist()
+        lengths: list[int] = self.raw_seq_lens.numpy().tolist()
+        # Every row one query token: the starts count up by one from the first.
+        return (bool(starts) and starts == list(range(starts[0], starts[0] + self.requests + 1)),
+                min(lengths, default=0), max(lengths, default=0))
 
     @property
-    def requests(self) -> int:
-        return int(self.raw_seq_lens.shape[0])
+    def one_token_each(self) -> bool:
+        """Every row has exactly one query token (a plain decode step)."""
+        return self._scalars[0]
+
+    @property
+    def shortest(self) -> int:
+        return self._scalars[1]
+
+    @property
+    def longest(self) -> int:
+        return self._scalars[2]
 
     @functools.cached_property
     def query_start_loc(self) -> torch.Tensor:

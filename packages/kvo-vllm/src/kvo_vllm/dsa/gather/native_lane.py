@@ -37,7 +37,9 @@ class NativeLaneGather:
         held = lay.held[layer]
         if (call.serials is not None or not held.any_held or requests < 1
                 or requests > lay.max_rows or topk.dim() != 2 or topk.shape[0] != requests
-                or topk.shape[1] > lay.top_k):
+                or topk.shape[1] > lay.top_k
+                or not (step.vllm_query_start_loc.is_cpu and step.vllm_seq_lens.is_cpu
+                        and step.vllm_block_table.is_cpu)):
             return None
         width = int(topk.shape[1])
         views = self._views.get((requests, width))
@@ -47,8 +49,8 @@ class NativeLaneGather:
                 self._valid[:requests * width].view(requests, width))
         slots, valid = views
         answer = identity_decode_lane_host(
-            lay.pools[layer], lay.hot[layer], step.raw_query_start_loc, step.raw_seq_lens,
-            step.raw_blocks, lay.identity[layer].state, held.held_serials, held.filled, topk,
+            lay.pools[layer], lay.hot[layer], step.vllm_query_start_loc, step.vllm_seq_lens,
+            step.vllm_block_table, lay.identity[layer].state, held.held_serials, held.filled, topk,
             slots, valid, rows=requests, block_size=lay.block_size, capacity=lay.capacity)
         if answer is None:
             return None
