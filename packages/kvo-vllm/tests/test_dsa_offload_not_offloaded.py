@@ -265,9 +265,9 @@ def test_the_one_call_lane_declines_what_is_not_its_steady_state(harness: _Harne
     }
     for name, (topk, qsl, seq_len) in cases.items():
         step = harness.m.step_inputs(qsl, torch.tensor([seq_len]), table)
-        assert lane.select_rows(LayerCall(layer=0, topk=topk, step=step)) is None, name
+        assert lane.select_rows(LayerCall(layer=0, padded_topk=topk, step=step)) is None, name
         assert torch.equal(held.held_serials, before[0]) and torch.equal(held.filled, before[1])
     step = harness.m.step_inputs(torch.tensor([0, 1]), torch.tensor([7]), table)
-    taken = lane.select_rows(LayerCall(layer=0, topk=one, step=step))
+    taken = lane.select_rows(LayerCall(layer=0, padded_topk=one, step=step))
     assert taken is not None                        # the steady step itself: taken
     assert held.filled[0] == 7

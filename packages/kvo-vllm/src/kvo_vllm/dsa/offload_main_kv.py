@@ -213,9 +213,8 @@ class OffloadMainKV:
     def gather(self, kv_cache: torch.Tensor, topk: torch.Tensor, metadata: Any) -> SelectedRows:
         manager = self.worker.ensure_manager(self.layer, kv_cache)
         step = self.worker.step_inputs(manager, metadata)
-        tokens = step.tokens
-        selected = manager.select_rows(
-            self.index, topk if topk.shape[0] == tokens else topk[:tokens], step)
+        selected = manager.select_rows(self.index, topk, step)
+        tokens = int(selected.valid.shape[0])
         if tokens < topk.shape[0]:  # padded tokens: no rows
             pad = topk.shape[0] - tokens
             valid = torch.cat([selected.valid, selected.valid.new_zeros(pad, topk.shape[1])])

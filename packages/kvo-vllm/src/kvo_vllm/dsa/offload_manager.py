@@ -220,12 +220,14 @@ class OffloadManager:
 
     def select_rows(self, layer: int, topk: torch.Tensor, step: StepInputs) -> SelectedRows:
         """Rows to attend to per query token of ``step`` (:meth:`step_inputs`; the caller keeps
-        it for the step's layers). ``topk`` [T, K]: request-local positions, -1 = none, one
-        row per query token. An answer by slot into the layer's hot buffer or pool is valid
-        until the layer's next call."""
+        it for the step's layers). ``topk`` [>= T, K]: request-local positions, -1 = none, one
+        row per query token, then any padding rows (answered for no row: the answer has T).
+        An answer by slot into the layer's hot buffer or pool is valid until the layer's next
+        call."""
         if self.fused is not None:
             raise RuntimeError("a fused-mode manager serves attention through attend()")
-        call = LayerCall(layer=layer, topk=topk if topk.is_cpu else topk.cpu(), step=step)
+        call = LayerCall(layer=layer, padded_topk=topk if topk.is_cpu else topk.cpu(),
+                         step=step)
         started = time.perf_counter()
         for source in self.sources:
             answer = source.select_rows(call)

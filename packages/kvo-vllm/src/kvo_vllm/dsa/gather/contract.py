@@ -114,15 +114,23 @@ class StepInputs:
 
 @attrs.define(eq=False)
 class LayerCall:
-    """One layer's gather in one step. ``topk`` [T, K] (CPU; request-local positions, -1 =
-    none) covers the step's tokens. ``serials`` (each row's request serial,
-    ``RowIdentity.serials``) is computed at most once per call, by the first implementation
-    that needs it: asking twice would advance the row identity twice."""
+    """One layer's gather in one step. ``padded_topk`` [>= T, K] (CPU; request-local
+    positions, -1 = none): the step's T tokens' rows, then any padding rows vLLM's buffer has.
+    ``serials`` (each row's request serial, ``RowIdentity.serials``) is computed at most once
+    per call, by the first implementation that needs it: asking twice would advance the row
+    identity twice."""
 
     layer: int
-    topk: torch.Tensor
+    padded_topk: torch.Tensor
     step: StepInputs
     serials: torch.Tensor | None = None
+
+    @functools.cached_property
+    def topk(self) -> torch.Tensor:
+        """``[T, K]``: the step's tokens' rows (counting them costs a few microseconds at a
+        step's start, so only the implementations that need them ask)."""
+        tokens, given = self.step.tokens, self.padded_topk
+        return given if given.shape[0] == tokens else given[:tokens]
 
 
 @attrs.define

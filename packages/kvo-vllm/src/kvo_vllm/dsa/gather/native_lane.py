@@ -32,7 +32,8 @@ class NativeLaneGather:
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def select_rows(self, call: LayerCall) -> Gathered | None:
-        lay, layer, step, topk = self.layers, call.layer, call.step, call.topk
+        # The op checks that every row has one query token: then T = R rows, no padding.
+        lay, layer, step, topk = self.layers, call.layer, call.step, call.padded_topk
         requests = step.requests
         held = lay.held[layer]
         if (call.serials is not None or not held.any_held or requests < 1
