@@ -79,6 +79,7 @@ def test_pd_into_the_fused_decode_equals_its_own_answer(deployment: e2e.PDDeploy
         assert got.ok, (tag, got.error)
         assert got.token_ids == want.token_ids, tag
         distance = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+        print(f"P/D into the fused decode, {tag}: logprobs differ by at most {distance:g}")
         assert distance <= FUSED_ROUNDING, (tag, distance)
     received = before.get("received", 0)
     after = settled_decode_stats(deployment.decode_stats_file,
