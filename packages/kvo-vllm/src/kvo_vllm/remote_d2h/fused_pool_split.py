@@ -21,7 +21,7 @@ Safety (the transport's rules hold unchanged, plus the staging slots):
 - what lands in the pool is what the engine read, exactly as a direct pull would have written
   it; the fence is checked after the whole read (``DecodeReceiver``), and a stale or failed
   layer invalidates its destination blocks as before;
-- a failed read (``TransferError``: Mooncake's batch may still land slices later) retires its
+- a failed read (any error: Mooncake's failed batch may still land slices later) retires its
   staging slot: it is not read into again until the receiver's quarantine passed, the same
   bound the transport uses before handing failed destination blocks back. When every slot is
   quarantined, a read fails at once naming that (the layer takes the load-failure path); it
@@ -210,7 +210,7 @@ class RowSplittingEngine(DelegatingEngine):
             local[first_piece + i] = base + piece.at * row_bytes
         try:
             self._engine.read(peer, local, remote, lengths)
-        except TransferError:
+        except BaseException:   # a failed read, or an engine bug: either may still land
             slot.retired_at = self._clock()
             self.retired_slots += 1
             logger.warning("kvo remote_d2h fused pool: a read into staging slot %#x failed; "
