@@ -11,10 +11,10 @@ rows into the two arrays (one copy per part). The step path never sees it: the s
 the receiver's thread, before the layer is answered, and the decode's forward reads the
 arrays as it reads rows it wrote itself.
 
-Why not two descriptors per row straight into the arrays: per layer of 16 blocks of 64 rows,
-that is 2048 descriptors instead of 16, 47x the read time on the same-host path and 68x over
-Mooncake TCP, while the split costs one memory pass (tools/bench/fused_pull.py;
-docs/benchmarks.md).
+Why not two descriptors per row straight into the arrays: that is 128 descriptors per block of
+64 rows instead of one; they cost many times the block read, and a long chunk's batch exceeds
+what Mooncake's TCP batch read takes, while the split costs one memory pass
+(tools/bench/fused_pull.py; the numbers: docs/benchmarks.md).
 
 Safety (the transport's rules hold unchanged, plus the staging slots):
 
