@@ -10,7 +10,7 @@ and Mooncake over loopback TCP), three ways:
            pulls; the lower bound);
 - strided: two descriptors per row, latent and rope straight into the two arrays;
 - staged:  one descriptor per block into a staging area, then the rows split into the two
-           arrays by one torch copy per part.
+           arrays as the decode does (``fused_pool_split.split_rows``).
 
 Medians over repetitions, per layer. Mooncake listens on all interfaces: run inside a
 loopback-only network namespace (``/work/bin/kvo-py`` or ``nox -s bench`` provide one).
@@ -62,6 +62,7 @@ def _median(run: Callable[[], None], reps: int) -> float:
 def measure(blocks: int, block_size: int, reps: int) -> dict[str, Any]:
     from kvo_transport.engine import create_transfer_engine
     from kvo_transport.samehost_engine import SameHostEngine, split_session_id
+    from kvo_vllm.remote_d2h.fused_pool_split import SplitLayer, split_rows
 
     rows = blocks * block_size
     block_bytes = block_size * ROW_BYTES
@@ -98,10 +99,10 @@ def measure(blocks: int, block_size: int, reps: int) -> dict[str, Any]:
                 lengths += [LATENT_BYTES, ROPE_BYTES]
         strided = (local, remote, lengths)
         staged_rows = staging.view(rows, ROW_BYTES)
+        target = SplitLayer(base=latent.data_ptr(), rows=rows, latent=latent, rope=rope)
 
-        def split() -> None:
-            latent.copy_(staged_rows[:, :LATENT_BYTES])
-            rope.copy_(staged_rows[:, LATENT_BYTES:])
+        def split() -> None:   # what the decode does on arrival
+            split_rows(staged_rows, target, 0)
 
         out: dict[str, Any] = {"blocks": blocks, "block_size": block_size,
                                "layer_bytes": nbytes, "descriptors": {

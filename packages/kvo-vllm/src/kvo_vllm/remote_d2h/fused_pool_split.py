@@ -7,7 +7,7 @@ The transport plans reads as if the layer's pool region held interleaved rows (t
 exactly their bytes; :func:`fused_pool_layers`); :class:`RowSplittingEngine`, between the
 decode's guarded engine and the real one, turns every descriptor into that region into a read
 of the same rows into a registered staging slot, and once the read returned, copies the slot's
-rows into the two arrays (one copy per part). The step path never sees it: the split runs on
+rows into the two arrays (one strided copy per part). The step path never sees it: the split runs on
 the receiver's thread, before the layer is answered, and the decode's forward reads the
 arrays as it reads rows it wrote itself.
 
@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from kvo_transport.destinations import DEFAULT_QUARANTINE_S
@@ -219,7 +220,7 @@ class RowSplittingEngine(DelegatingEngine):
             raise
         for piece in pieces:
             staged = slot.rows[piece.at:piece.at + piece.count]
-            split_row(staged, piece.layer, piece.first_row)
+            split_rows(staged, piece.layer, piece.first_row)
             self.split_rows += piece.count
 
     def _usable_slot(self) -> _Slot:
@@ -247,13 +248,14 @@ class RowSplittingEngine(DelegatingEngine):
                 "fused_pool_retired_slots": self.retired_slots}
 
 
-def split_row(staged: torch.Tensor, layer: SplitLayer, first_row: int) -> None:
+def split_rows(staged: torch.Tensor, layer: SplitLayer, first_row: int) -> None:
     """Copy staged interleaved rows ``[n, row_bytes]`` (uint8) into the layer's latent and
-    rope arrays at rows ``[first_row, first_row + n)``."""
+    rope arrays at rows ``[first_row, first_row + n)``. Through NumPy: one thread, no OpenMP
+    team (torch's copy here met the forward's busy OpenMP threads and took milliseconds)."""
     count = int(staged.shape[0])
     latent_bytes = layer.latent.shape[1] * layer.latent.element_size()
-    latent = layer.latent[first_row:first_row + count].view(torch.uint8)
-    rope = layer.rope[first_row:first_row + count].view(torch.uint8)
-    latent.copy_(staged[:, :latent_bytes])
-    rope.copy_(staged[:, latent_bytes:])
-
+    rows = staged.numpy()
+    np.copyto(layer.latent[first_row:first_row + count].view(torch.uint8).numpy(),
+              rows[:, :latent_bytes])
+    np.copyto(layer.rope[first_row:first_row + count].view(torch.uint8).numpy(),
+              rows[:, latent_bytes:])
