@@ -272,13 +272,19 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                       prefill_tp: int = 1, decode_tp: int = 1,
                       extra_args: tuple[str, ...] = (),
                       engine_wrapper: Mapping[str, Any] | None = None,
-                      decode_mode: str = "offload") -> Iterator[PDDeployment]:
+                      decode_mode: str = "offload",
+                      sparse: Mapping[str, Any] | None = None,
+                      decode_kernel_backend: str | None = None) -> Iterator[PDDeployment]:
     """A tiny DSA model served P/D through the kvo proxy: a prefill (kvo's sparse backend,
     resident mode, ``RemoteD2HConnector`` alone) and a decode in kvo's ``decode_mode``
     (default offload: main KV in its host pool), each at
     its TP (``mp`` executor, ``TP2_WORKERS`` binding), both stepping ``block_size`` tokens at a
-    time; ``extra_args`` go to both servers; decode reads fail at once (no retries) and a
-    failed pull is recomputed."""
+    time; ``extra_args`` go to both servers, ``sparse`` (``kvo_sparse`` settings, e.g. the
+    indexer dtype) to both too, ``decode_kernel_backend`` to the decode alone; decode reads
+    fail at once (no retries) and a failed pull is recomputed."""
+    decode_sparse = {**(sparse or {}), "mode": decode_mode}
+    if decode_kernel_backend is not None:
+        decode_sparse["kernel_backend"] = decode_kernel_backend
     import json
 
     from models.tiny_dsv32 import build_tiny_dsv32
@@ -295,7 +301,7 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                                    layer_deadline_s=deadline_s, read_retries=0,
                                    engine_wrapper=engine_wrapper),
             extra_args=[*steps, *extra_args, *_tp_args(decode_tp), "--additional-config",
-                        json.dumps({"kvo_sparse": {"mode": decode_mode}})],
+                        json.dumps({"kvo_sparse": decode_sparse})],
             env=TP2_WORKERS if decode_tp > 1 else None, max_model_len=max_model_len,
             block_size=block_size)
         prefill = cluster.start_vllm(
@@ -305,7 +311,9 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                 "kv_role": "kv_producer", "kv_connector_extra_config": {
                     "kv_port": kv_port, "layer_deadline_s": deadline_s,
                     "handshake_timeout_s": deadline_s}},
-            extra_args=[*steps, *extra_args, *_tp_args(prefill_tp)],
+            extra_args=[*steps, *extra_args, *_tp_args(prefill_tp), *(
+                ["--additional-config", json.dumps({"kvo_sparse": dict(sparse)})]
+                if sparse else [])],
             env=TP2_WORKERS if prefill_tp > 1 else None, max_model_len=max_model_len,
             block_size=block_size)
         proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")

@@ -27,7 +27,11 @@ tried with DSA layouts on vLLM-CPU here). ``--model all`` (the default) runs bot
 other. ``--tp2`` (DSA only) adds a third kvo pair, "kvo-tp2": a prefill at TP 2 with
 ``RemoteD2HConnector`` alone feeding a decode at TP 2 in offload mode, whose TP ranks share one
 host pool and pull disjoint parts of the main KV into it; its bytes pulled are reported per
-decode rank.
+decode rank. ``--kernel-backend fused`` (DSA only, not with ``--tp2``) runs the DSA decodes
+with the fused ops (``kernel_backend="fused"``: their pool keeps latent and rope apart and the
+pulled rows are split on arrival); their answers then differ from plain vLLM's in the last
+bits of the logprobs (another summation order), so "exact" counts tokens and logprobs as usual
+and is expected to fall.
 
 Layerwise offload against no offload on a single prefill engine (the 10% TTFT target at 4K
 tokens) is measured by ``tools/bench/e2e_layerwise.py``.
@@ -91,7 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
                         help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
                              "both (default)")
+    parser.add_argument("--kernel-backend", choices=("auto", "fused"), default="auto",
+                        help="DSA model: the decodes' kvo_sparse kernel_backend (default auto; "
+                             "fused: the fused manage + Copy-SFA ops)")
     args = parser.parse_args(argv)
+    if args.kernel_backend == "fused" and args.tp2:
+        parser.error("--kernel-backend fused with --tp2: a fused decode at TP 2 is refused as "
+                     "a P/D destination (not tested)")
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 4096])
     args.reps = args.reps or (2 if args.quick else 4)
     args.max_tokens = args.max_tokens or (16 if args.quick else 32)
@@ -203,7 +213,7 @@ DSA_BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
 DSA_STEP_TOKENS = 512  # prefill chunk of every DSA engine (kvo's offload tests use the same)
 
 
-def _model(kind: str) -> tuple[Path, dict[str, Any], list[str]]:
+def _model(kind: str, kernel_backend: str = "auto") -> tuple[Path, dict[str, Any], list[str]]:
     """The model, start_vllm's shape arguments and the decode's extra arguments."""
     base = Path(os.environ.get("KVO_MODEL_DIR", tempfile.gettempdir()))
     if kind == "llama":
@@ -218,7 +228,8 @@ def _model(kind: str) -> tuple[Path, dict[str, Any], list[str]]:
     shape = {"block_size": DSA_BLOCK_SIZE,
              "extra_args": ["--max-num-batched-tokens", str(DSA_STEP_TOKENS),
                             "--max-num-seqs", "4"]}
-    offload = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
+    offload = ["--additional-config", json.dumps(
+        {"kvo_sparse": {"mode": "offload", "kernel_backend": kernel_backend}})]
     return model, shape, offload
 
 
@@ -228,7 +239,7 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvo-bench-e2e-"))
     workdir = workdir / kind
     workdir.mkdir(parents=True, exist_ok=True)
-    model, shape, decode_args = _model(kind)
+    model, shape, decode_args = _model(kind, args.kernel_backend)
     steps = list(shape.pop("extra_args", []))
     max_len = max(args.lengths) + args.max_tokens + 64
     with_peer = args.peer and kind == "llama"
@@ -305,8 +316,11 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
     resident = device_kv.get("main_resident", 0) + device_kv.get("indexer", 0)
     used = sum(device_kv.get(k, 0) for k in ("main_cache", "hot_buffers", "indexer"))
     flavour = "tiny DSA model, sparse offload decode" if kind == "dsa" else "tiny Llama"
+    if kind == "dsa" and args.kernel_backend == "fused":
+        flavour += " with the fused ops"
     return {
         "model": kind,
+        "kernel_backend": args.kernel_backend if kind == "dsa" else None,
         "title": f"Latency: plain vLLM vs P/D ({flavour})",
         "rows": rows,
         "decode_device_kv": device_kv,

@@ -188,8 +188,8 @@ def test_fused_manager_keeps_latent_and_rope_apart_and_refuses_gather() -> None:
         with pytest.raises(RuntimeError, match="attend"):
             manager.gather(0, torch.zeros(1, K, dtype=torch.int64), torch.tensor([0, 1]),
                            torch.tensor([1]), torch.zeros(1, 4, dtype=torch.int32))
-        # a P/D pull writes whole interleaved rows: not into this pool (refused at start-up)
-        with pytest.raises(ConfigError, match="kernel_backend 'auto' or 'reference'"):
+        # a P/D pull's interleaved rows reach this pool only through the row splitter
+        with pytest.raises(ConfigError, match="fused_pool_split"):
             manager.pool_layer_base(0)
     finally:
         manager.close()

@@ -5,8 +5,9 @@ host pool (``OffloadManager``) and whose indexer destination is its own indexer 
 Real Mooncake engines and real ZMQ on loopback (vLLM's engine is not needed to show what the
 workers move): the main rows land in the pool rows of the destination blocks, the indexer rows
 in the indexer cache, the placeholder vLLM binds to the MLA layer stays untouched, the pulled
-blocks are reported to residency, and the bytes per part are counted. A prefill whose indexer
-layout differs (C8 vs bf16) is refused at the handshake, naming both layouts.
+blocks are reported to residency, and the bytes per part are counted; into the fused decode's
+pool (latent and rope apart) the rows are split on arrival. A prefill whose indexer layout
+differs (C8 vs bf16) is refused at the handshake, naming both layouts.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 
+import attrs
 import pytest
 import torch
 
 from kvo_core.config import RemoteD2HConfig
+from kvo_core.errors import ConfigError
 from kvo_vllm.dsa.indexer_cache import describe_indexer_block
 from kvo_vllm.dsa.offload_manager import OffloadManager
 from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.kv_caches import KVLayout
 from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata, SendChunk
-from kvo_vllm.remote_d2h.pool_destination import PoolDestination
+from kvo_vllm.remote_d2h.pool_destination import PoolDestination, manager_destination
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 from kvo_vllm.sparse.layout import SparseModelLayout
 
@@ -77,13 +80,24 @@ def prefill_caches(indexer_row: int) -> dict[str, torch.Tensor]:
     return caches
 
 
-@pytest.fixture
-def manager() -> Iterator[OffloadManager]:
+def new_manager(fused: bool = False) -> OffloadManager:
     layout = SparseModelLayout(num_layers=LAYERS, latent_dim=8, rope_dim=4, index_dim=HEAD_DIM,
                                softmax_scale=1.0, kv_dtype=torch.float32)
-    owner = OffloadManager(layout, num_blocks=BLOCKS, block_size=BS, max_rows=2,
-                           max_blocks_per_row=4, top_k=4, capacity=8, decode_query_rows=1,
-                           pool_name=f"t-pd-{uuid.uuid4().hex[:8]}")
+    return OffloadManager(layout, num_blocks=BLOCKS, block_size=BS, max_rows=2,
+                          max_blocks_per_row=4, top_k=4, capacity=8, decode_query_rows=1,
+                          pool_name=f"t-pd-{uuid.uuid4().hex[:8]}", fused=fused)
+
+
+@pytest.fixture
+def manager() -> Iterator[OffloadManager]:
+    owner = new_manager()
+    yield owner
+    owner.close()
+
+
+@pytest.fixture
+def fused_manager() -> Iterator[OffloadManager]:
+    owner = new_manager(fused=True)
     yield owner
     owner.close()
 
@@ -103,11 +117,8 @@ def pool_of(manager: OffloadManager, noted: list[int]) -> PoolDestination:
         noted.extend(ids)
         manager.note_blocks_written(ids)
 
-    return PoolDestination(region=manager.pool_region,
-                           bases={main_name(i): manager.pool_layer_base(i)
-                                  for i in range(LAYERS)},
-                           block_bytes=BS * manager.row_bytes, num_blocks=BLOCKS,
-                           note_pulled=note, hot_buffer_bytes=manager.hot_buffer_bytes)
+    return attrs.evolve(manager_destination(manager, {main_name(i): i for i in range(LAYERS)}),
+                        note_pulled=note)
 
 
 def start_puller(manager: OffloadManager, caches: dict[str, torch.Tensor],
@@ -184,6 +195,58 @@ def test_main_kv_lands_in_the_host_pool_and_indexer_in_its_cache(
         assert manager.hot_buffer_bytes == LAYERS * 2 * 8 * ROW * 4  # max_rows x capacity rows
     finally:
         sender.close()
+        puller.close()
+
+
+def test_main_kv_lands_split_in_the_fused_pool(fused_manager: OffloadManager) -> None:
+    """``kernel_backend="fused"``: the pool keeps latent and rope apart; the pulled rows land
+    in both arrays at the destination blocks' rows, and nothing else of the pool changes."""
+    manager = fused_manager
+    source = prefill_caches(indexer_row=2 * HEAD_DIM)
+    caches = decode_caches()
+    noted: list[int] = []
+    puller = start_puller(manager, caches, noted)
+    sender = PrefillSender(config=config(free_port()), tp_rank=0, tp_size=1,
+                           instance_id="prefill-dsa-fused")
+    try:
+        sender.register_kv_caches(source)
+        puller.start_step(RemoteD2HMetadata(recvs=(RecvTarget(
+            request_id="req-f", transfer_id="tf", block_ids=DST_BLOCKS, skip_blocks=0),)))
+        send(sender, puller.endpoint, "tf")
+        assert collect_until(puller, "req-f") == set()
+        for i in range(LAYERS):
+            latent, rope = manager.pool_parts(i)
+            rows = source[main_name(i)]
+            for src, dst in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):
+                assert torch.equal(latent[dst], rows[src][:, :8])
+                assert torch.equal(rope[dst], rows[src][:, 8:])
+                assert torch.equal(caches[indexer_name(i)][dst], source[indexer_name(i)][src])
+            untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
+            assert bool((latent[untouched] == 0).all()) and bool((rope[untouched] == 0).all())
+            assert torch.equal(manager.read_pool(i, torch.tensor([DST_BLOCKS[0] * BS + 1])),
+                               rows[SRC_BLOCKS[0]][1:2])
+        assert sorted(noted) == sorted(DST_BLOCKS)
+        stats = puller.snapshot()
+        assert stats["received"] == 1
+        per_part = stats["per_part"]
+        assert isinstance(per_part, dict)
+        assert per_part["kv"]["bytes"] == LAYERS * len(DST_BLOCKS) * BS * ROW * 4
+        wrapper = stats["engine_wrapper"]
+        assert isinstance(wrapper, dict)
+        assert wrapper["fused_pool_split_rows"] == LAYERS * len(DST_BLOCKS) * BS
+    finally:
+        sender.close()
+        puller.close()
+
+
+def test_a_fused_pool_at_decode_tp2_is_refused_naming_the_combination(
+        fused_manager: OffloadManager) -> None:
+    puller = DecodePuller(config=config(free_port()), tp_rank=0, tp_size=2, dp_rank=0)
+    try:
+        with pytest.raises(ConfigError, match="kernel_backend 'fused' at decode TP 2"):
+            puller.register_kv_caches(decode_caches(),
+                                      lambda kv, layout: pool_of(fused_manager, []))
+    finally:
         puller.close()
 
 

@@ -153,11 +153,11 @@ class OffloadManager:
     def pool_layer_base(self, layer: int) -> int:
         """Address of layer ``layer``'s first pool row (block ``b`` starts
         ``b * block_size * row_bytes`` later). Not in fused mode: its pool keeps latent and
-        rope apart, so one run of a block's rows is not where a pull could write it."""
+        rope apart, so a pull lands there through ``remote_d2h.fused_pool_split``."""
         if self.fused is not None:
-            raise ConfigError("a P/D pull into the host pool needs kernel_backend 'auto' or "
-                              "'reference' on decode: with 'fused' the pool keeps latent and "
-                              "rope apart (not supported by remote D2H yet)")
+            raise ConfigError("the fused pool (kernel_backend 'fused') keeps latent and rope "
+                              "apart: address its layers through "
+                              "kvo_vllm.remote_d2h.fused_pool_split")
         return int(self.pool_layer(layer).data_ptr())
 
     def note_blocks_written(self, block_ids: Iterable[int]) -> None:

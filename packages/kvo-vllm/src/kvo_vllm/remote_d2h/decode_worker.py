@@ -46,6 +46,7 @@ from kvo_transport.control import (
 from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
 from kvo_transport.samehost_engine import SameHostEngine
+from kvo_vllm.remote_d2h.fused_pool_split import RowSplittingEngine, StagingArena
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
 from kvo_vllm.remote_d2h.kv_caches import (
     KVLayout,
@@ -158,6 +159,7 @@ class DecodePuller:
         layout = describe_kv_caches(kv_caches)
         pool = None if find_pool is None else find_pool(kv_caches, layout)
         refuse_untested_dsa_decode_tp(layout.has_indexer, self.tp_size)
+        refuse_untested_fused_decode_tp(pool, self.tp_size)
         self._pool = pool
         self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
@@ -197,7 +199,15 @@ class DecodePuller:
             raw.register(start, end - start)
             self._registered.append(start)
         self._raw = raw
-        wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(raw, regions)
+        arena = None if pool is None or not pool.fused_layers else StagingArena(
+            pool.fused_layers[0].row_bytes)
+        if arena is not None:   # the fused pool: whole blocks land here first, then split
+            raw.register(*arena.region)
+            self._registered.append(arena.region[0])
+        wrapped = raw if self._engine_wrapper is None else self._engine_wrapper(
+            raw, _wrapper_regions(regions, arena))
+        if pool is not None and arena is not None:
+            wrapped = RowSplittingEngine(wrapped, pool.fused_layers, arena)
         self._engine = GuardedEngine(wrapped, regions)
         share = main_share(pool, self.tp_rank, self.tp_size)
         self._receiver = DecodeReceiver(
@@ -453,6 +463,28 @@ def refuse_untested_dsa_decode_tp(has_indexer: bool, tp_size: int) -> None:
             f"RemoteD2H receives a DSA model (main KV + indexer caches) on a decode with TP "
             f"{tp_size}; tested up to decode TP {TESTED_DSA_DECODE_TP} (offload and resident "
             f"mode): run the decode at TP 1 or 2")
+
+
+def refuse_untested_fused_decode_tp(pool: PoolDestination | None, tp_size: int) -> None:
+    """ConfigError for a P/D pull into a fused decode's pool (``kernel_backend="fused"``) at
+    decode TP > 1: the TP ranks would split their shares of the shared pool on arrival, which
+    no test here runs."""
+    if pool is not None and pool.fused_layers and tp_size > 1:
+        raise ConfigError(
+            f"RemoteD2H into a DSA decode with kernel_backend 'fused' at decode TP {tp_size} "
+            f"is not tested (fused P/D is tested at decode TP 1): run the fused decode at TP "
+            f"1, or use kernel_backend 'auto' at TP {tp_size}")
+
+
+def _wrapper_regions(regions: list[LayerRegion], arena: StagingArena | None
+                     ) -> list[LayerRegion]:
+    """The regions an operator's engine wrapper sees: with the fused pool, its reads of main KV
+    land in the staging arena (one region of the main part), not in the pool's layers."""
+    if arena is None:
+        return regions
+    base, size = arena.region
+    staging = LayerRegion(index=-1, base=base, block_bytes=size, num_blocks=1, part=MAIN_PART)
+    return [region for region in regions if region.part != MAIN_PART] + [staging]
 
 
 def main_share(pool: PoolDestination | None, tp_rank: int, tp_size: int) -> MainShare:

@@ -8,6 +8,11 @@ the indexer keys into vLLM's device indexer cache. Pulled blocks are reported to
 manager (``note_pulled``), so residency never serves hot rows copied from a block's previous
 owner (:mod:`kvo_vllm.dsa.offload_identity`).
 
+With ``kernel_backend="fused"`` the pool keeps each layer's latents and ropes in two arrays;
+the transport still addresses the layer as interleaved rows and the decode's engine splits
+them on arrival (``fused_layers``, :mod:`kvo_vllm.remote_d2h.fused_pool_split`). Only at
+decode TP 1: a fused decode at TP > 1 as a P/D destination is refused at start (not tested).
+
 At decode TP > 1 the TP ranks of a DP rank share one host pool (:mod:`kvo_vllm.dsa.offload_tp`)
 and the main KV is replicated across them, so each rank pulls a disjoint part of every chunk's
 main blocks into it (``decode_worker.main_share``: the pool is written once per DP rank) and
@@ -34,13 +39,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from kvo_core.errors import ConfigError
+from kvo_vllm.remote_d2h.fused_pool_split import SplitLayer, fused_pool_layers
 from kvo_vllm.remote_d2h.kv_caches import KVLayout, block_bytes
+
+if TYPE_CHECKING:
+    from kvo_vllm.dsa.offload_manager import OffloadManager
 
 
 @attrs.frozen(eq=False)
@@ -57,6 +66,9 @@ class PoolDestination:
     """Block ids whose rows (every layer) were just written by a pull."""
     hot_buffer_bytes: int = 0
     """Device bytes the offload backend keeps for main KV (its hot buffers), for the stats."""
+    fused_layers: tuple[SplitLayer, ...] = ()
+    """The fused pool's layers (latent and rope apart): reads into them are split on arrival.
+    Empty for the interleaved pool."""
 
 
 def pool_destination(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor],
@@ -75,12 +87,27 @@ def pool_destination(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor],
         raise ConfigError(f"the offload host pool holds {manager.num_blocks} blocks per layer but "
                           f"vLLM's caches have {num_blocks}; pulled blocks would miss the pool")
     index_of = {name: i for i, name in enumerate(worker.layer_names)}
+    return manager_destination(manager, {layer.name: index_of[layer.name]
+                                         for layer in layout.layers})
+
+
+def manager_destination(manager: OffloadManager, layers: Mapping[str, int]
+                        ) -> PoolDestination:
+    """The destination in ``manager``'s pool of the main caches ``layers`` (name -> the
+    manager's layer index): interleaved rows, or the fused pool's split layers."""
+    fused: tuple[SplitLayer, ...] = ()
+    if manager.fused is not None:
+        store, rows = manager.store, manager.num_blocks * manager.block_size
+        fused = tuple(fused_pool_layers(
+            [(store.latent(index), store.rope(index)) for index in layers.values()], rows))
+        bases = {name: split.base for name, split in zip(layers, fused, strict=True)}
+    else:
+        bases = {name: manager.pool_layer_base(index) for name, index in layers.items()}
     return PoolDestination(
-        region=manager.pool_region,
-        bases={layer.name: manager.pool_layer_base(index_of[layer.name])
-               for layer in layout.layers},
-        block_bytes=manager.block_size * manager.row_bytes, num_blocks=num_blocks,
-        note_pulled=manager.note_blocks_written, hot_buffer_bytes=manager.hot_buffer_bytes)
+        region=manager.pool_region, bases=bases,
+        block_bytes=manager.block_size * manager.row_bytes, num_blocks=manager.num_blocks,
+        note_pulled=manager.note_blocks_written, hot_buffer_bytes=manager.hot_buffer_bytes,
+        fused_layers=fused)
 
 
 def device_kv_bytes(layout: KVLayout, pool: PoolDestination | None) -> dict[str, int]:
