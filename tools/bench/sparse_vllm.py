@@ -33,10 +33,11 @@ others (with the cache on: a hit on the prefix's full blocks, counted from each 
 one sampled token, in this process: no HTTP). The tokens with the cache on must equal those
 with it off (JSON ``"benchmark": "sparse_vllm_prefix"``).
 
-``--mtp N`` gives the model one MTP layer and serves both engines with
-``speculative_config={"method": "mtp", "num_speculative_tokens": N}`` (the draft layer is
-offloaded with the others, in the same pool): a decode step is a verify step of 1 + N query
-rows per request, and the per-step offload counters include the drafter's layer calls. The
+``--mtp 1`` gives the model one MTP layer and serves both engines with
+``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` (the draft layer is
+offloaded with the others, in the same pool): a decode step is a verify step of 2 query rows
+per request (what the hot row holds: ``hot_capacity // top-k``; more draft tokens would make
+verify steps prefill-like), and the per-step offload counters include the drafter's calls. The
 top-k trace records request 0's first query row of each verify step.
 
 ``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
@@ -46,7 +47,7 @@ outputs are then compared by tokens only (the fused op sums attention in another
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
   [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--tp 1|2]
-  [--dtype float32|bfloat16] [--mtp N] [--json PATH]
+  [--dtype float32|bfloat16] [--mtp 0|1] [--json PATH]
   [--prefix-sharing [--prefix-tokens N] [--suffixes N]]
   default: contexts 128, 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096,
   16384 and 32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes
@@ -105,8 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="--prefix-sharing: requests, each its own suffix (default 8)")
     parser.add_argument("--reps", type=int, default=1,
                         help="processes per case, alternating which engine goes first")
-    parser.add_argument("--mtp", type=int, default=0, metavar="N",
-                        help="MTP speculative decoding with N draft tokens (0: off)")
+    parser.add_argument("--mtp", type=int, default=0, choices=(0, 1),
+                        help="MTP speculative decoding with 1 draft token (0: off; a verify "
+                             "step's 1 + N query rows must fit hot_capacity // top-k = 2)")
     args = parser.parse_args(argv)
     contexts, batches = args.contexts, args.batches
     if args.full:
@@ -122,8 +124,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--reps must be >= 1")
     if args.decode_tokens < 4:
         parser.error("--decode-tokens must be >= 4")
-    if not 0 <= args.mtp <= 4:
-        parser.error(f"--mtp must be 0 (off) to 4 draft tokens, got {args.mtp}")
     if args.mtp and (args.prefix_sharing or args.tp > 1):
         parser.error("--mtp runs the decode grid at --tp 1 only (not --prefix-sharing)")
     if args.prefix_tokens < 64 or args.suffixes < 2:
