@@ -37,7 +37,9 @@ with it off (JSON ``"benchmark": "sparse_vllm_prefix"``).
 ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` (the draft layer is
 offloaded with the others, in the same pool): a decode step is a verify step of 2 query rows
 per request (what the hot row holds: ``hot_capacity // top-k``; more draft tokens would make
-verify steps prefill-like), and the per-step offload counters include the drafter's calls. The
+verify steps prefill-like), and the per-step offload counters include the drafter's calls.
+The device-KV columns count the model's caches only, not the draft layer's, while the offload
+side's hot buffers include the draft layer's: its KV ratios overstate offload's share. The
 top-k trace records request 0's first query row of each verify step.
 
 ``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
