@@ -422,7 +422,8 @@ class PrefillSender:
         forward, so chunks kept past this point would be published again by that step's
         ``save_kv_layer`` calls: READYs for blocks already handed over, reaching a decode
         that may have completed (and released) the request, or racing the fence release of
-        its blocks.
+        its blocks. With draft layers the drafter still runs after this call, so only the model's
+        layers stop here; ``end_step`` spends the chunks (module docstring).
         """
         if self.has_draft_layers:   # the drafter runs after this: its layers are published
             self._model_pass_over = True   # with this step's chunks, until end_step
