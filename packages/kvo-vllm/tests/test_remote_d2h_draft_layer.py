@@ -13,6 +13,7 @@ Without ``end_step`` or with the model's pass publishing past ``finished_sending
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -43,7 +44,7 @@ from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata, SendChun
 from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
 
 pytestmark = pytest.mark.skipif(
-    __import__("os").environ.get("KVO_IN_NETNS") != "1",
+    os.environ.get("KVO_IN_NETNS") != "1",
     reason="starts Mooncake, which listens on every interface: run inside a loopback-only "
            "network namespace (nox -s vllm does this)")
 
