@@ -274,23 +274,30 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                       engine_wrapper: Mapping[str, Any] | None = None,
                       decode_mode: str = "offload",
                       sparse: Mapping[str, Any] | None = None,
-                      decode_kernel_backend: str | None = None) -> Iterator[PDDeployment]:
+                      decode_kernel_backend: str | None = None,
+                      speculative_tokens: int = 0) -> Iterator[PDDeployment]:
     """A tiny DSA model served P/D through the kvo proxy: a prefill (kvo's sparse backend,
     resident mode, ``RemoteD2HConnector`` alone) and a decode in kvo's ``decode_mode``
     (default offload: main KV in its host pool), each at
     its TP (``mp`` executor, ``TP2_WORKERS`` binding), both stepping ``block_size`` tokens at a
     time; ``extra_args`` go to both servers, ``sparse`` (``kvo_sparse`` settings, e.g. the
     indexer dtype) to both too, ``decode_kernel_backend`` to the decode alone; decode reads
-    fail at once (no retries) and a failed pull is recomputed."""
-    decode_sparse = {**(sparse or {}), "mode": decode_mode}
-    if decode_kernel_backend is not None:
-        decode_sparse["kernel_backend"] = decode_kernel_backend
+    fail at once (no retries) and a failed pull is recomputed. ``speculative_tokens`` > 0: the
+    model gets one MTP layer and both servers draft that many tokens with it
+    (``speculative_config`` method ``mtp``)."""
     import json
 
     from models.tiny_dsv32 import build_tiny_dsv32
     from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
 
-    model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk)
+    model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk,
+                             mtp=speculative_tokens > 0)
+    decode_sparse = {**(sparse or {}), "mode": decode_mode}
+    if decode_kernel_backend is not None:
+        decode_sparse["kernel_backend"] = decode_kernel_backend
+    if speculative_tokens > 0:
+        extra_args = (*extra_args, "--speculative-config", json.dumps(
+            {"method": "mtp", "num_speculative_tokens": speculative_tokens}))
     steps = ["--max-num-batched-tokens", str(block_size), "--max-num-seqs", str(max_num_seqs),
              "--no-enable-prefix-caching"]   # every prompt pulled, never a local hit
     with Cluster(workdir / "logs") as cluster:

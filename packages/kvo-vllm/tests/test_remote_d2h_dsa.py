@@ -79,14 +79,16 @@ def test_layouts_it_cannot_move_are_refused(caches: dict[str, torch.Tensor],
         describe_kv_caches(caches)
 
 
-def test_a_dsa_handoff_with_speculative_decoding_is_refused() -> None:
+def test_a_dsa_handoff_with_a_drafter_other_than_mtp_is_refused() -> None:
     class Speculative:
-        method = "mtp"
+        def __init__(self, method: str) -> None:
+            self.method = method
 
-    with pytest.raises(ConfigError, match=r"speculative decoding \('mtp'\)"):
-        refuse_untested_dsa(_dsa_caches(), Speculative())
+    with pytest.raises(ConfigError, match=r"method 'mtp' only, got 'ngram'"):
+        refuse_untested_dsa(_dsa_caches(), Speculative("ngram"))
+    refuse_untested_dsa(_dsa_caches(), Speculative("mtp"))   # shown: test_pd_dsa_mtp.py
     refuse_untested_dsa(_dsa_caches(), None)   # a DSA layout without speculation passes
-    refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative())
+    refuse_untested_dsa({"model.layers.0.self_attn.attn": _main()}, Speculative("ngram"))
 
 
 def test_a_dsa_decode_above_the_tested_tp_is_refused_naming_its_tp() -> None:

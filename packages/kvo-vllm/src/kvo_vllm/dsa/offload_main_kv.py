@@ -8,7 +8,10 @@ and attached by the others, :mod:`kvo_vllm.dsa.offload_tp`), per-layer hot buffe
 residency tables, one set of counters. It is created at the first write after vLLM bound the
 KV cache, when the number of blocks (the placeholder view's first dimension) and every
 offloaded layer (registered when kvo's model class binds the layers, draft layers included)
-are known.
+are known. The engine is told by its compilation config: vLLM builds the MTP drafter from a
+shallow copy of the engine's ``VllmConfig`` (``_create_draft_vllm_config``) that shares it (and
+its ``static_forward_context``, where both models' layers are), so the draft layers join the
+model's worker and pool (sized for them: ``offload_backend.offloaded_layers``).
 :func:`offload_workers` lists the live workers of this process (tests, benchmarks, metrics).
 """
 
@@ -44,7 +47,7 @@ class OffloadWorker:
     """The offload state one vLLM worker's offloaded layers share (module docstring)."""
 
     def __init__(self, vllm_config: Any) -> None:
-        self._config_ref = weakref.ref(vllm_config)
+        self._engine_ref = weakref.ref(_engine_of(vllm_config))
         self.layer_names: list[str] = []
         self._layers: list[LayerInfo] = []
         self.manager: OffloadManager | None = None
@@ -112,7 +115,8 @@ class OffloadWorker:
         return self._step
 
     def matches(self, vllm_config: Any) -> bool:
-        return self._config_ref() is vllm_config
+        """Whether ``vllm_config`` is this worker's engine's (the model's or its drafter's)."""
+        return self._engine_ref() is _engine_of(vllm_config)
 
     def close(self) -> None:
         if self.manager is not None:
@@ -132,12 +136,19 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def _engine_of(vllm_config: Any) -> Any:
+    """What identifies an engine's configs: the compilation config the model's ``VllmConfig``
+    and its drafter's copy share (module docstring)."""
+    return vllm_config.compilation_config
+
+
 def _worker_for(vllm_config: Any) -> OffloadWorker:
-    key = id(vllm_config)
+    engine = _engine_of(vllm_config)
+    key = id(engine)
     worker = _workers.get(key)
     if worker is None or not worker.matches(vllm_config):
         worker = _workers[key] = OffloadWorker(vllm_config)
-        weakref.finalize(vllm_config, _forget, key, worker)
+        weakref.finalize(engine, _forget, key, worker)
     return worker
 
 
@@ -155,7 +166,7 @@ def offload_worker_for(vllm_config: Any, layer_names: Iterable[str]) -> OffloadW
     by the layers it registered.
     """
     names = set(layer_names)
-    worker = _workers.get(id(vllm_config))
+    worker = _workers.get(id(_engine_of(vllm_config)))
     if worker is None or not worker.matches(vllm_config):
         found = [w for w in _workers.values() if names & set(w.layer_names)]
         if len(found) > 1:
@@ -179,7 +190,7 @@ def open_offload_pool(vllm_config: Any) -> OffloadManager | None:
     start-up by kvo's worker class (:mod:`kvo_vllm.dsa.worker`), after vLLM bound the caches,
     on every TP rank at the same point."""
     layers = vllm_config.compilation_config.static_forward_context
-    worker = _workers.get(id(vllm_config))
+    worker = _workers.get(id(_engine_of(vllm_config)))
     if worker is None or not worker.matches(vllm_config):
         found = [w for w in _workers.values() if w.layer_names
                  and set(w.layer_names) <= set(layers)]

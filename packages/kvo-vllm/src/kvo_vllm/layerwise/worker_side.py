@@ -18,6 +18,13 @@ before its predecessor in the forward returns. Hence:
 - ``finish_step`` (``wait_for_save``) waits for every save: the next step reloads from them
   (with a staging area, hands them to one batched put that the next step waits for: ``savers``).
 
+A speculative drafter's (MTP) layers are the last layers of the plan. vLLM 0.32 runs the
+drafter after the model's forward and, with ``speculative_config``, defers ``wait_for_save``
+until the drafter is done, so a draft layer is readied by the model's last layer and saved in
+the drafter's forward like any other. The drafter runs its layer once per draft token: the
+first pass writes the step's rows and is saved; the later passes write only rows past the
+step's tokens (which the next step rewrites before attending to them), so they save nothing.
+
 A failed load or save: ``failures``.
 """
 
@@ -94,6 +101,8 @@ class LayerwiseWorker:
         """A step with work is between ``start_step`` and ``finish_step``."""
         self._saves = EMPTY_BLOCKS
         """The blocks every layer of the running step saves."""
+        self._saved_positions: set[int] = set()
+        """Layers (plan positions) saved in the running step: each is saved once."""
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -135,6 +144,7 @@ class LayerwiseWorker:
         registered = self.registered
         self.parts.rounds.new_step()  # announcements of earlier steps never join this one
         self._step_active = meta.has_work
+        self._saved_positions = set()
         self.parts.failures.start_step(meta)
         if not meta.has_work:
             return
@@ -169,8 +179,9 @@ class LayerwiseWorker:
             return
         registered = self.registered
         position = registered.buffers.position.get(layer_name)
-        if position is None:
-            return
+        if position is None or position in self._saved_positions:
+            return   # not a planned layer, or a drafter's later pass (module docstring)
+        self._saved_positions.add(position)
         buffer = registered.buffers.in_order[position]
         saves = (self.parts.failures.trusted_saves(buffer, self._saves)
                  if self.parts.failures.any_load_failed else self._saves)

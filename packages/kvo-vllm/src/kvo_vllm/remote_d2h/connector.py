@@ -13,8 +13,10 @@ layer's MLA cache and its lightning indexer's key cache (bf16 or C8), and a deco
 kvo's sparse backend with ``mode="offload"`` receives the main KV into its host pool
 (``pool_destination``). DSA layouts run with prefill TP 1 or 2, decode TP 1 or 2 (in offload
 mode the decode's TP ranks pull disjoint parts of the main KV into their shared host pool; in
-resident mode each rank pulls all of it into its own cache), and without speculative decoding
-(decode TP > 2 and speculative decoding are refused at start-up until shown to work). A decode
+resident mode each rank pulls all of it into its own cache), with or without MTP speculative
+decoding (both sides run the same ``speculative_config``: the drafter's layer is handed over
+like the model's; decode TP > 2 and other speculative methods are refused at start-up until
+shown to work). A decode
 may run vLLM's data parallelism (one API server, ``N`` DP ranks): each DP rank's workers bind
 their own control ports (``kv_port + dp_rank * tp + tp_rank``), advertise which DP rank took a
 request, and the kvo proxy pins later requests to a DP rank (``kvo_vllm.proxy.flow``); DP ranks
@@ -107,18 +109,28 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def first_draft_layer(vllm_config: Any) -> int | None:
+    """Index of the first drafter (MTP) layer in vLLM's caches (the model's layer count:
+    vLLM names DeepSeek's MTP layers ``model.layers.N...``), None without MTP drafting."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None or getattr(speculative, "method", None) != "mtp":
+        return None
+    return int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+
+
 def refuse_untested_dsa(kv_caches: Mapping[str, torch.Tensor], speculative: object | None
                         ) -> None:
     """ConfigError for a DSA set-up (main KV + indexer caches) whose hand-off is not shown to
-    work here: speculative decoding (MTP layers). Dense layouts pass; a prefill with TP > 1
-    passes (``tests/e2e/test_pd_dsa_tp2.py``)."""
+    work here: speculative decoding other than MTP (``tests/e2e/test_pd_dsa_mtp.py`` shows
+    MTP). Dense layouts pass; a prefill with TP > 1 passes (``tests/e2e/test_pd_dsa_tp2.py``)."""
     if not any(cache_part(name) == INDEXER_PART for name in kv_caches):
         return
-    if speculative is not None:
+    method = getattr(speculative, "method", speculative)
+    if speculative is not None and method != "mtp":
         raise ConfigError(
-            f"RemoteD2HConnector does not hand DSA models over with speculative decoding "
-            f"({getattr(speculative, 'method', speculative)!r}) yet: the draft (MTP) layers' "
-            f"hand-off is not tested; run P/D without speculative_config")
+            f"RemoteD2HConnector hands DSA models over with speculative decoding method "
+            f"'mtp' only, got {method!r}: other drafters' hand-off is not tested; use "
+            f"speculative_config={{'method': 'mtp', ...}} or none")
 
 
 class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
@@ -159,7 +171,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
             if self.is_producer:
                 self.sender = PrefillSender(config=self.options.config, tp_rank=tp_rank,
                                             tp_size=tp_size, instance_id=str(transfer.engine_id),
-                                            gates=gates, device_index=device_index)
+                                            gates=gates, device_index=device_index,
+                                            first_draft_layer=first_draft_layer(vllm_config))
             if self.is_consumer:
                 self.puller = DecodePuller(config=self.options.config, tp_rank=tp_rank,
                                            tp_size=tp_size, dp_rank=dp.rank, dp_size=dp.size,
@@ -202,7 +215,8 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
             self.sender.publish_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self.sender is not None:
+            self.sender.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending: set[str] = set()

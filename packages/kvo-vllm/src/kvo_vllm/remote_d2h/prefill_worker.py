@@ -21,6 +21,18 @@ shared by its publishers; the gate table advances a slot's word when a round fai
 the layer pipeline may overwrite the buffer), and ``finished_sending`` releases a request's word
 before vLLM gets its blocks back, so a decode still reading them refuses what it read.
 
+Draft (MTP) layers: with speculative decoding (``speculative_config={"method": "mtp"}``)
+vLLM's KV caches hold the drafter's layers after the model's (``model.layers.N`` for a model of
+N layers) and the drafter writes them after the model's forward, in the same step: vLLM 0.32
+then runs ``get_transfer_results`` (``finished_sending``) between the model and the drafter and
+defers ``wait_for_save`` until after the drafter (``KVConnectorModelRunnerMixin``,
+``defer_finalize``). So the step's chunks stay published to the draft layers until
+``end_step`` (``wait_for_save``), and each layer is published once per step: the drafter runs
+its layer once per draft token (``num_speculative_tokens`` > 1), the later passes writing only
+rows past the step's tokens, which no chunk of the step holds. The draft layer is the last
+layer, so a request's completion counts it (the decode, serving the same speculative config,
+expects it too: its layer count is checked at the handshake).
+
 A request whose hand-off cannot start (the decode refused the handshake, or did not answer in
 time) is reported to the proxy with the reason, so the client gets a clear error instead of
 waiting for the decode's deadline.
@@ -92,8 +104,11 @@ class PrefillSender:
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int,
                  instance_id: str, gates: SlotGates | None = None,
-                 device_index: int | None = None) -> None:
+                 device_index: int | None = None, first_draft_layer: int | None = None) -> None:
         self.config = config
+        self.first_draft_layer = first_draft_layer
+        """Layers at or past this index are the drafter's (MTP), written after the model's
+        forward; None without speculative decoding."""
         self.tp_rank = tp_rank
         self.device_index = tp_rank if device_index is None else device_index
         """This worker's accelerator on its node (MemFabric's default device)."""
@@ -123,6 +138,9 @@ class PrefillSender:
         """transfer id -> vLLM request id, until the request's blocks go back to vLLM."""
         self._step = 0
         self._chunks: tuple[SendChunk, ...] = ()
+        self._published_in_step: set[int] = set()
+        self._model_pass_over = False
+        """``finished_sending`` ran this step: only draft layers may still be published."""
         self._notifier = Notifier("kvo-prefill-notify", control_key(config.control_secret))
 
     # -- set-up -------------------------------------------------------------------------
@@ -189,6 +207,8 @@ class PrefillSender:
 
     def start_step(self, metadata: RemoteD2HMetadata) -> None:
         self._step += 1
+        self._published_in_step = set()
+        self._model_pass_over = False
         if self._fences is not None:
             for transfer_id in metadata.preempted_sends:  # before this forward reuses blocks
                 self._fences.release(transfer_id)
@@ -245,8 +265,11 @@ class PrefillSender:
         not published any further: later layers of the step then do not wait for it too.
         """
         index = self._index_of.get(layer_name)
-        if index is None or not self._chunks:
-            return []
+        if index is None or not self._chunks or index in self._published_in_step:
+            return []   # not a KV layer, nothing to send, or a drafter's later pass
+        if self._model_pass_over and not self._is_draft(index):
+            return []   # a forward before this step's start_step: its chunks are spent
+        self._published_in_step.add(index)
         self._drain_tracker()
         with self._lock:
             live = [c for c in self._chunks
@@ -276,6 +299,27 @@ class PrefillSender:
                     self._gates.mark_done(key, part)
             parts.append(part)
         return parts
+
+    def _is_draft(self, index: int) -> bool:
+        return self.first_draft_layer is not None and index >= self.first_draft_layer
+
+    @property
+    def has_draft_layers(self) -> bool:
+        """Whether vLLM's caches hold drafter (MTP) layers, published after the model's."""
+        return any(self._is_draft(layer.index) for layer in self._layers)
+
+    def end_step(self) -> None:
+        """``wait_for_save``: the step's forwards (model and drafter) are over; its chunks
+        are spent (see ``finished_sending`` for why none may be kept). A chunk whose draft
+        layers were not published (vLLM skipped the drafter this step) cannot complete: its
+        request is given up (the decode recomputes or fails it), not left to time out."""
+        chunks, self._chunks = self._chunks, ()
+        unpublished = [layer.index for layer in self._layers if self._is_draft(layer.index)
+                       and layer.index not in self._published_in_step]
+        if chunks and unpublished:
+            self.give_up_requests({chunk.request_id for chunk in chunks},
+                                  f"the drafter did not write draft layer(s) {unpublished} "
+                                  f"in step {self._step}")
 
     def give_up_requests(self, request_ids: set[str], reason: str) -> None:
         """Publish nothing more of these vLLM requests: their KV is not to be trusted."""
@@ -378,9 +422,13 @@ class PrefillSender:
         forward, so chunks kept past this point would be published again by that step's
         ``save_kv_layer`` calls: READYs for blocks already handed over, reaching a decode
         that may have completed (and released) the request, or racing the fence release of
-        its blocks.
+        its blocks. With draft layers the drafter still runs after this call, so only the model's
+        layers stop here; ``end_step`` spends the chunks (module docstring).
         """
-        self._chunks = ()
+        if self.has_draft_layers:   # the drafter runs after this: its layers are published
+            self._model_pass_over = True   # with this step's chunks, until end_step
+        else:
+            self._chunks = ()
         self._drain_tracker()
         now = time.monotonic()
         with self._lock:
