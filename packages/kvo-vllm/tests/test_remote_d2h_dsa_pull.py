@@ -223,8 +223,9 @@ def test_main_kv_lands_split_in_the_fused_pool(fused_manager: OffloadManager) ->
                 assert torch.equal(caches[indexer_name(i)][dst], source[indexer_name(i)][src])
             untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
             assert bool((latent[untouched] == 0).all()) and bool((rope[untouched] == 0).all())
-            assert torch.equal(manager.read_pool(i, torch.tensor([DST_BLOCKS[0] * BS + 1])),
-                               rows[SRC_BLOCKS[0]][1:2])
+            slot = DST_BLOCKS[0] * BS + 1  # one row by vLLM slot id: latent then rope again
+            row = torch.cat([latent.flatten(0, 1)[slot], rope.flatten(0, 1)[slot]])
+            assert torch.equal(row, rows[SRC_BLOCKS[0]][1])
         assert sorted(noted) == sorted(DST_BLOCKS)
         stats = puller.snapshot()
         assert stats["received"] == 1
