@@ -65,3 +65,33 @@ def test_nothing_is_logged_without_waiting_pulls_or_within_the_threshold(
 def test_a_non_positive_threshold_is_refused() -> None:
     with pytest.raises(ValueError, match="threshold_s must be > 0"):
         StepWatchdog(name="x", threshold_s=0, waiting=lambda: 0)
+
+
+FROZEN_PROCESS = """
+import re, time
+from kvo_vllm.remote_d2h.step_watchdog import StepWatchdog
+
+def _hold_the_gil():
+    # catastrophic backtracking: the regex engine holds the GIL throughout
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        re.match(r"(a+)+$", "a" * 22 + "b")
+
+# poll_s: the Python watchdog thread would not get to check before the native dump anyway
+dog = StepWatchdog(name="frozen", threshold_s=0.3, waiting=lambda: 1, poll_s=60).start()
+dog.stepped()
+_hold_the_gil()
+"""
+
+
+def test_a_process_frozen_with_the_gil_held_still_gets_its_stacks_written() -> None:
+    """The Python watchdog thread cannot run while native code holds the GIL; faulthandler's
+    native thread, armed by the step while pulls wait, writes the stacks anyway."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FROZEN_PROCESS], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Timeout (0:00:01" in done.stderr, done.stderr
+    assert "_hold_the_gil" in done.stderr, done.stderr

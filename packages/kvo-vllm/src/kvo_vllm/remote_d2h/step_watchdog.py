@@ -8,10 +8,16 @@ decode that missed its layer deadline. The watchdog says it from the decode's si
 stall and before the prefill's deadline gives the requests up: how long the step has been
 away, how many pulls wait, and the stacks of the thread that last stepped and of kvo's
 threads; then, when the step comes back, how long it was away.
+
+A thread that holds the GIL inside native code freezes every Python thread of the process, this
+watchdog's too. For that case the watchdog also keeps Python's ``faulthandler`` armed while
+pulls wait (re-armed at most once a second, from the step): if the process stays frozen for
+twice the threshold, faulthandler's native thread writes every thread's stack to stderr.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 import threading
@@ -21,6 +27,8 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
+REARM_S = 1.0
+"""How often, at most, a step re-arms the native dump (re-arming starts a new native thread)."""
 STACK_FRAMES = 14
 """Innermost frames shown per thread (enough to reach vLLM's worker loop from a kvo call)."""
 
@@ -39,6 +47,7 @@ class StepWatchdog:
         self._last_step = time.monotonic()
         self._step_thread: int | None = None
         self._stalled_since: float | None = None
+        self._armed_at: float | None = None
         self.stalls = 0
         """Stalls logged so far (for the stats file)."""
         self._stop = threading.Event()
@@ -51,6 +60,7 @@ class StepWatchdog:
 
     def close(self) -> None:
         self._stop.set()
+        self._disarm()
         if self._thread.is_alive():
             self._thread.join(timeout=self._poll_s + 1)
 
@@ -60,6 +70,11 @@ class StepWatchdog:
         stalled_since, self._stalled_since = self._stalled_since, None
         self._last_step = now
         self._step_thread = threading.get_ident()
+        if not self._waiting():
+            self._disarm()
+        elif self._armed_at is None or now - self._armed_at >= REARM_S:
+            faulthandler.dump_traceback_later(2 * self.threshold_s + REARM_S, exit=False)
+            self._armed_at = now
         if stalled_since is not None:
             logger.warning("kvo remote_d2h %s: vLLM's step came back after %.1f s away "
                            "(%d pull(s) waiting now)", self.name, now - stalled_since,
@@ -76,11 +91,17 @@ class StepWatchdog:
             return False
         self._stalled_since = self._last_step
         self.stalls += 1
+        self._disarm()  # this thread runs: the stacks below say it all
         logger.warning("kvo remote_d2h %s: vLLM's step has not called the connector for %.1f s "
                        "while %d pull(s) wait (their READYs are read, but no new destination "
                        "is registered and no finished pull is reported until it does); the "
                        "threads now:\n%s", self.name, away, waiting, self._stacks())
         return True
+
+    def _disarm(self) -> None:
+        if self._armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = None
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
