@@ -40,7 +40,7 @@ def test_a_step_away_while_pulls_wait_is_logged_once_with_its_stack(
         dog.close()
     stalls = [r.getMessage() for r in caplog.records if "has not called" in r.getMessage()]
     assert dog.stalls == 1 and len(stalls) == 1, stalls
-    assert "3 pull(s) wait" in stalls[0]
+    assert "3 pull(s) or READY(s) wait" in stalls[0]
     assert "'vllm-step' (last stepped)" in stalls[0]
     assert "_blocked_inside_a_step" in stalls[0]  # where the step thread is blocked
     back = [r.getMessage() for r in caplog.records if "came back after" in r.getMessage()]

@@ -213,7 +213,7 @@ class DecodePuller:
         self._watchdog = StepWatchdog(
             name=f"decode DP rank {self.dp_rank} TP rank {self.tp_rank}/{self.tp_size}",
             threshold_s=max(1.0, config.layer_deadline_s / 2),
-            waiting=lambda: len(self._recvs)).start()
+            waiting=self._waiting_for_the_step).start()
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
                     "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
                     layout.layers[0].main.shape[0],
@@ -223,6 +223,11 @@ class DecodePuller:
                     if pool is not None else "main KV",
                     " + indexer" if layout.has_indexer else "", self._receiver.endpoint,
                     raw.session_id)
+
+    def _waiting_for_the_step(self) -> int:
+        """Registered pulls plus READYs parked until the step registers their destination."""
+        receiver = self._receiver
+        return len(self._recvs) + (0 if receiver is None else receiver.waiting_readies)
 
     # -- per step -----------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ class StepWatchdog:
             self._armed_at = now
         if stalled_since is not None:
             logger.warning("kvo remote_d2h %s: vLLM's step came back after %.1f s away "
-                           "(%d pull(s) waiting now)", self.name, now - stalled_since,
+                           "(%d pull(s) or READY(s) waiting now)", self.name, now - stalled_since,
                            self._waiting())
 
     def check(self, now: float | None = None) -> bool:
@@ -93,9 +93,9 @@ class StepWatchdog:
         self.stalls += 1
         self._disarm()  # this thread runs: the stacks below say it all
         logger.warning("kvo remote_d2h %s: vLLM's step has not called the connector for %.1f s "
-                       "while %d pull(s) wait (their READYs are read, but no new destination "
-                       "is registered and no finished pull is reported until it does); the "
-                       "threads now:\n%s", self.name, away, waiting, self._stacks())
+                       "while %d pull(s) or READY(s) wait (READYs are read, but no new "
+                       "destination is registered and no finished pull is reported until it "
+                       "does); the threads now:\n%s", self.name, away, waiting, self._stacks())
         return True
 
     def _disarm(self) -> None:
