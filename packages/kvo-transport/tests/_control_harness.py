@@ -309,7 +309,8 @@ def decode_main(spec: DecodeSpec, events: Any, commands: Any) -> None:
             events.put(("status", sorted(finished), dict(failed), invalid,
                         receiver.rejected_frames, engine.reads))
         elif command == "parking":
-            events.put(("parking", receiver.parked_readies, receiver.expired_readies))
+            events.put(("parking", receiver.parked_readies, receiver.expired_readies,
+                        receiver.waiting_readies))
         elif isinstance(command, tuple) and command[0] == "aborted":
             events.put(("aborted", {rid: receiver.aborted(rid) for rid in command[1]},
                         receiver.aborted_requests))
@@ -357,12 +358,13 @@ class DecodeProcess:
         self.commands.put(("stalls", dict(stalls)))
         assert self.next_event(30) == ("stalls",)
 
-    def parking(self) -> tuple[int, int]:
-        """(READYs that waited for their destination, READYs whose wait expired)."""
+    def parking(self) -> tuple[int, int, int]:
+        """(READYs that waited for their destination, READYs whose wait expired, READYs
+        waiting now)."""
         self.commands.put("parking")
         event = self.next_event(30)
         assert event[0] == "parking", event
-        return int(event[1]), int(event[2])
+        return int(event[1]), int(event[2]), int(event[3])
 
     def aborted(self, request_ids: Sequence[str]) -> tuple[dict[str, str | None], int]:
         """(request id -> why its prefill gave it up, or None; aborts received in all)."""

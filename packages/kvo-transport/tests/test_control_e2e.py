@@ -192,8 +192,8 @@ def test_readies_wait_for_a_late_destination_and_skip_what_decode_holds(engines,
         finished, failed, invalid, rejected, _ = decode.wait_terminal(["late", "prefix"])
         assert {"late", "prefix"} <= set(finished) and failed == {} and rejected == 0
         assert invalid == {"late": ([], []), "prefix": ([], [])}
-        parked, expired = decode.parking()
-        assert parked >= 1 and expired == 0
+        parked, expired, waiting = decode.parking()
+        assert parked >= 1 and expired == 0 and waiting == 0
     finally:
         publisher.close()
         engines[0].unregister(source.ptr)

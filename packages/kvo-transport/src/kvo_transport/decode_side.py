@@ -313,6 +313,11 @@ class DecodeReceiver:
         return self._parking.parked
 
     @property
+    def waiting_readies(self) -> int:
+        """READYs waiting now for their destination to be registered (any thread: a count)."""
+        return len(self._parking)
+
+    @property
     def expired_readies(self) -> int:
         """READYs whose destination never appeared within ``destination_wait_s``."""
         return self._parking.expired

@@ -59,6 +59,7 @@ from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
 from kvo_vllm.remote_d2h.pool_destination import PoolDestination, device_kv_bytes
+from kvo_vllm.remote_d2h.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class DecodePuller:
         self._engine: GuardedEngine | None = None
         self._raw: TransferEngine | None = None
         self._receiver: DecodeReceiver | None = None
+        self._watchdog: StepWatchdog | None = None
         self._registered: list[int] = []
         self._pool: PoolDestination | None = None
         self._has_indexer = False
@@ -218,6 +220,10 @@ class DecodePuller:
             retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
             control_secret=config.control_secret,
             destination_wait_s=config.destination_wait_s).start()
+        self._watchdog = StepWatchdog(
+            name=f"decode DP rank {self.dp_rank} TP rank {self.tp_rank}/{self.tp_size}",
+            threshold_s=max(1.0, config.layer_deadline_s / 2),
+            waiting=self._waiting_for_the_step).start()
         logger.info("kvo remote_d2h decode rank %d/%d: %d layers of %d blocks (%s%s), control "
                     "endpoint %s, engine %s", self.tp_rank, self.tp_size, len(layout.layers),
                     layout.layers[0].main.shape[0],
@@ -228,9 +234,16 @@ class DecodePuller:
                     " + indexer" if layout.has_indexer else "", self._receiver.endpoint,
                     raw.session_id)
 
+    def _waiting_for_the_step(self) -> int:
+        """Registered pulls plus READYs parked until the step registers their destination."""
+        receiver = self._receiver
+        return len(self._recvs) + (0 if receiver is None else receiver.waiting_readies)
+
     # -- per step -----------------------------------------------------------------------
 
     def start_step(self, metadata: RemoteD2HMetadata) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stepped()
         self._idle = metadata.idle
         for target in metadata.recvs:
             self._register(target)
@@ -288,6 +301,8 @@ class DecodePuller:
         receiver = self._receiver
         if receiver is None:
             return set(), set()
+        if self._watchdog is not None:
+            self._watchdog.stepped()
         with self._lock:
             waiting = self._idle and bool(self._recvs)
         if waiting:
@@ -440,9 +455,13 @@ class DecodePuller:
                 "returning": len(self._returning),
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads,
                 "aborted_by_prefill": (0 if self._receiver is None
-                                       else self._receiver.aborted_requests)}
+                                       else self._receiver.aborted_requests),
+                "step_stalls": 0 if self._watchdog is None else self._watchdog.stalls}
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
