@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from pd.footprint import footprint
+from kvo_tools.pd.footprint import footprint
 
 CHILD = """
 import mmap, sys

@@ -70,7 +70,7 @@ def engine_environment(extra: Mapping[str, str] | None = None, *,
 def tiny_dsv32(tmp_path_factory: pytest.TempPathFactory, name: str, *, num_layers: int,
                index_topk: int, mtp: bool = False) -> Path:
     """A tiny random DeepSeek-V3.2-architecture model in a new temporary directory ``name``."""
-    from models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
 
     return build_tiny_dsv32(tmp_path_factory.mktemp(name), num_layers=num_layers,
                             index_topk=index_topk, mtp=mtp)
@@ -281,8 +281,8 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
     failed pull is recomputed."""
     import json
 
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
 
     model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk)
     steps = ["--max-num-batched-tokens", str(block_size), "--max-num-seqs", str(max_num_seqs),

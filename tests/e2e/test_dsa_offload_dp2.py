@@ -58,7 +58,7 @@ def _served_by_engine(url: str) -> dict[str, float]:
 
 
 def _ask(url: str) -> list[tuple[list[int], list[float]]]:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     answers = []
     for prompt in PROMPTS:   # one at a time
@@ -71,8 +71,8 @@ def _ask(url: str) -> list[tuple[list[int], list[float]]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, free_port, wait_healthy
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import Cluster, free_port, wait_healthy
 
     workdir = tmp_path_factory.mktemp("dsa-dp2")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)

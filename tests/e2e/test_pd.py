@@ -45,7 +45,7 @@ DEADLINE_S = 15.0
 
 
 def _prompt(tag: str, length: int) -> str:
-    from pd.prompts import DENSE_TEXT, tagged_prompt
+    from kvo_tools.pd.prompts import DENSE_TEXT, tagged_prompt
 
     return tagged_prompt(tag, length, DENSE_TEXT)
 
@@ -74,8 +74,8 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from models.tiny_llama import build_tiny_llama
-    from pd.cluster import (
+    from kvo_tools.models.tiny_llama import build_tiny_llama
+    from kvo_tools.pd.cluster import (
         Cluster,
         decode_transfer_config,
         faulty_decode,
@@ -119,7 +119,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False,
               max_tokens: int = MAX_TOKENS) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, max_tokens, stream=stream, chat=chat),
                     timeout_s=300)
