@@ -271,14 +271,15 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                       max_num_seqs: int, max_model_len: int, deadline_s: float,
                       prefill_tp: int = 1, decode_tp: int = 1,
                       extra_args: tuple[str, ...] = (),
-                      engine_wrapper: Mapping[str, Any] | None = None,
+                      decode_env: Mapping[str, str] | None = None,
                       decode_mode: str = "offload") -> Iterator[PDDeployment]:
     """A tiny DSA model served P/D through the kvo proxy: a prefill (kvo's sparse backend,
     resident mode, ``RemoteD2HConnector`` alone) and a decode in kvo's ``decode_mode``
     (default offload: main KV in its host pool), each at
     its TP (``mp`` executor, ``TP2_WORKERS`` binding), both stepping ``block_size`` tokens at a
-    time; ``extra_args`` go to both servers; decode reads fail at once (no retries) and a
-    failed pull is recomputed."""
+    time; ``extra_args`` go to both servers, ``decode_env`` to the decode (e.g. the tests'
+    fault injection, ``kvo_tools.pd.sites.faulty_decode_env``); decode reads fail at once (no
+    retries) and a failed pull is recomputed."""
     import json
 
     from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
@@ -292,12 +293,11 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
         decode = cluster.start_vllm(
             "decode" if decode_tp == 1 else f"decode-tp{decode_tp}", model, free_port(),
             decode_transfer_config(kv_port, workdir / "decode-stats.json",
-                                   layer_deadline_s=deadline_s, read_retries=0,
-                                   engine_wrapper=engine_wrapper),
+                                   layer_deadline_s=deadline_s, read_retries=0),
             extra_args=[*steps, *extra_args, *_tp_args(decode_tp), "--additional-config",
                         json.dumps({"kvo_sparse": {"mode": decode_mode}})],
-            env=TP2_WORKERS if decode_tp > 1 else None, max_model_len=max_model_len,
-            block_size=block_size)
+            env={**(TP2_WORKERS if decode_tp > 1 else {}), **(decode_env or {})},
+            max_model_len=max_model_len, block_size=block_size)
         prefill = cluster.start_vllm(
             "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(), {
                 "kv_connector": "RemoteD2HConnector",

@@ -1,4 +1,4 @@
-"""The test-only fault injection (tools/pd/faulty_engine.py) does what the e2e tests and the soak
+"""The test-only fault injection (kvo_tools.pd.faulty_engine) does what the e2e tests and the soak
 rely on."""
 
 from __future__ import annotations

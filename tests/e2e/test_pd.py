@@ -78,12 +78,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     from kvo_tools.pd.cluster import (
         Cluster,
         decode_transfer_config,
-        faulty_decode,
         free_port,
         prefill_transfer_config,
         start_master,
         wait_healthy,
     )
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd")
     model = build_tiny_llama(workdir / "model", num_layers=NUM_LAYERS)
@@ -99,7 +99,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 layer_deadline_s=DEADLINE_S, handshake_timeout_s=DEADLINE_S))
             decode = cluster.start_vllm("decode", model, free_port(), decode_transfer_config(
                 kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                engine_wrapper=faulty_decode(faults), read_retries=0))
+                read_retries=0), env=faulty_decode_env(faults))
             # Twice the block size: a decode block is two prefill blocks' bytes.
             mismatch = cluster.start_vllm(
                 "mismatch", model, free_port(),

@@ -92,12 +92,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     from kvo_tools.pd.cluster import (
         Cluster,
         decode_transfer_config,
-        faulty_decode,
         free_port,
         prefill_transfer_config,
         start_master,
         wait_healthy,
     )
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd-dsa")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
@@ -116,10 +116,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             decode = cluster.start_vllm(
                 "decode", model, free_port(), decode_transfer_config(
                     kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                    engine_wrapper=faulty_decode(workdir / "faults.json"), read_retries=0),
+                    read_retries=0),
                 extra_args=[*steps, "--additional-config",
                             json.dumps({"kvo_sparse": {"mode": "offload"}})],
-                max_model_len=2048, block_size=BLOCK_SIZE)
+                max_model_len=2048, block_size=BLOCK_SIZE,
+                env=faulty_decode_env(workdir / "faults.json"))
             # A decode whose indexer cache is C8 (int8 keys + fp16 scale): the bf16 prefill's
             # layout does not match it.
             c8 = cluster.start_vllm(

@@ -43,14 +43,14 @@ INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeployment]:
-    from kvo_tools.pd.cluster import faulty_decode
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd-dsa-tp2-tp2")
     with e2e.pd_dsa_deployment(
             workdir, num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, block_size=BLOCK_SIZE,
             max_num_seqs=2, max_model_len=1024, deadline_s=DEADLINE_S, prefill_tp=2,
             decode_tp=2,
-            engine_wrapper=faulty_decode(workdir / "faults-{tp_rank}.json")) as running:
+            decode_env=faulty_decode_env(workdir / "faults-{tp_rank}.json")) as running:
         yield running
 
 

@@ -92,7 +92,6 @@ from kvo_tools.pd.cluster import (
     Cluster,
     Managed,
     decode_transfer_config,
-    faulty_decode,
     free_port,
     http_ok,
     prefill_transfer_config,
@@ -104,6 +103,7 @@ from kvo_tools.pd.cluster import (
 from kvo_tools.pd.footprint import footprint, shm_listing
 from kvo_tools.pd.hostile import TakeoverCounts, keep_taking_over
 from kvo_tools.pd.private_shm import filled, private, reexec_with_private_shm, why_no_private_shm
+from kvo_tools.pd.sites import faulty_decode_env
 from kvo_tools.pd.stats import decode_stats
 from kvo_tools.pd.tp_workers import tp_worker
 
@@ -195,10 +195,11 @@ class Deployment:
     def _start_decode(self) -> Managed:
         config = decode_transfer_config(self.kv_port, self.decode_stats_file,
                                         layer_deadline_s=10.0, handshake_timeout_s=10.0,
-                                        engine_wrapper=faulty_decode(self.faults_file),
                                         read_retries=0)
+        options = self._tp_options()
+        options["env"] = {**options.get("env", {}), **faulty_decode_env(self.faults_file)}
         return self.cluster.start_vllm("decode", self.model, self.decode_port, config,
-                                       **self._tp_options())
+                                       **options)
 
     def _forget_decode_stats(self) -> None:
         """Remove every decode rank's stats file: a new decode counts from 0."""

@@ -2,8 +2,8 @@
 
 Starts (in a loopback-only network namespace) a Mooncake master, the kvo prefill (as in
 ``e2e.py``: ``KvoMultiConnector``; ``--remote-only``: ``RemoteD2HConnector`` alone), a decode
-whose engine is wrapped by ``pd/timing_engine.py`` and the kvo proxy, sends streamed requests of
-the given lengths one at a time and prints, per request, the stamps on one clock
+whose engine is wrapped by ``kvo_tools.pd.timing_engine`` and the kvo proxy, sends streamed
+requests of the given lengths one at a time and prints, per request, the stamps on one clock
 (CLOCK_MONOTONIC, shared by every process of the host), in ms from the client's send:
 proxy got it, decode registered the destination, proxy saw DecodeReady, first and last layer
 read, decode reported the pull to vLLM, proxy got the first decode byte, client got the first
@@ -37,7 +37,7 @@ from kvo_tools.pd.cluster import (
     stopping_on_signals,
     wait_healthy,
 )
-from kvo_tools.pd.sites import timed_prefill_env
+from kvo_tools.pd.sites import timed_decode_env, timed_prefill_env
 
 COLUMNS = ("proxy", "register", "ready", "read0", "readN", "reported", "byte", "token")
 
@@ -75,11 +75,9 @@ def main() -> int:
             hooks.write_text("")
             prefill = cluster.start_vllm("prefill", model, free_port(), prefill_config,
                                          max_model_len=max_len, env=timed_prefill_env(hooks))
-            wrapper = {"factory": "kvo_tools.pd.timing_engine:wrap",
-                       "options": {"out_file": str(events)}}
             decode = cluster.start_vllm("decode", model, free_port(),
-                                        decode_transfer_config(kv_port, engine_wrapper=wrapper),
-                                        max_model_len=max_len)
+                                        decode_transfer_config(kv_port), max_model_len=max_len,
+                                        env=timed_decode_env(events))
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             wait_healthy([prefill, decode, proxy], 900, lambda n: print(f"  {n}", flush=True))
             rng = random.Random(0)

@@ -320,18 +320,8 @@ def d2h_prefill_transfer_config(kv_port: int, stats_file: Path | None = None,
             "kv_connector_extra_config": extra}
 
 
-FAULTY_ENGINE = "kvo_tools.pd.faulty_engine:wrap"
-
-
-def faulty_decode(control_file: Path) -> dict[str, Any]:
-    """An ``engine_wrapper`` that injects the faults ``control_file`` names (test-only code in
-    pd/faulty_engine.py, imported by the decode server from tools/ on its PYTHONPATH)."""
-    return {"factory": FAULTY_ENGINE, "options": {"control_file": str(control_file)}}
-
-
 def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                            layer_deadline_s: float = 60.0, handshake_timeout_s: float = 30.0,
-                           engine_wrapper: Mapping[str, Any] | None = None,
                            failure_policy: str = "recompute",
                            read_retries: int = 2) -> dict[str, Any]:
     """RemoteD2HConnector on decode; a failed pull is recomputed (``failure_policy``)."""
@@ -340,8 +330,6 @@ def decode_transfer_config(kv_port: int, stats_file: Path | None = None,
                              "read_retries": read_retries}
     if stats_file is not None:
         extra["stats_file"] = str(stats_file)
-    if engine_wrapper:  # e.g. the tests' fault injection (faulty_decode)
-        extra["engine_wrapper"] = dict(engine_wrapper)
     return {"kv_connector": "RemoteD2HConnector",
             "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_consumer",
             "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": extra}

@@ -1,12 +1,9 @@
-"""Test-only fault injection on decode's data path, loaded through RemoteD2H's engine_wrapper.
+"""Test-only fault injection on decode's data path, plugged into a decode's ``DecodePuller``.
 
-A decode vLLM server started by the end-to-end tests or the soak gets (``cluster.faulty_decode``)::
-
-    "engine_wrapper": {"factory": "kvo_tools.pd.faulty_engine:wrap",
-                       "options": {"control_file": "/path/faults.json"}}
-
-with tools/ on its PYTHONPATH (``Cluster.start_vllm`` puts it there; ``{tp_rank}`` in the path
-names one file per TP rank). The control file holds
+A decode vLLM server started by the end-to-end tests or the soak with
+``kvo_tools.pd.sites.faulty_decode_env(control_file)`` in its environment reads through ``wrap``
+(``kvo_tools.pd.engine_site`` patches it in; ``{tp_rank}`` in the path names one file per TP
+rank). The control file holds
 ``{"corrupt_reads": bool, "corrupt_part": "kv" | "idx" | null, "fail_reads": int,
 "stall_reads_s": seconds, "drop_acks": int}`` and is re-read whenever it changes, so a test can
 switch faults on and off in a running server: corrupt every pulled byte range after it arrived
@@ -194,7 +191,7 @@ def _install_answer_dropper() -> None:
 
 
 def wrap(engine: TransferEngine, layers: Sequence[Any], *, control_file: str) -> FaultyEngine:
-    """The ``engine_wrapper`` factory (also installs the READ_DONE dropper). In a decode with
+    """The engine wrapper factory (also installs the READ_DONE dropper). In a decode with
     TP > 1, ``{tp_rank}`` in ``control_file`` becomes this worker's TP rank: one control file
     per rank, so a test can fault one rank's pulls."""
     global _ACTIVE

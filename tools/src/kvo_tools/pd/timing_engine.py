@@ -1,16 +1,13 @@
-"""Test-only timeline of a decode's pulls, loaded through RemoteD2H's engine_wrapper.
+"""Test-only timeline of a decode's pulls, plugged into a decode's ``DecodePuller``.
 
-``kvo_tools.bench._pd_timeline`` starts a decode with::
-
-    "engine_wrapper": {"factory": "kvo_tools.pd.timing_engine:wrap",
-                       "options": {"out_file": "/path"}}
-
-and this module appends one JSON line per event to ``out_file``, stamped with
-``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the host, so the proxy's
-and the client's stamps line up with these): ``register`` (the step that made a request's
-blocks the destination and sent DecodeReady), ``read`` (start and end of each engine read into
-the KV layers), ``reported`` (the step that told vLLM a request's pull is over), ``step`` and
-``collected`` (each worker step's start, idle or not, and the end of its ``collect``).
+``kvo_tools.bench._pd_timeline`` starts a decode with
+``kvo_tools.pd.sites.timed_decode_env(out_file)`` in its environment, and this module appends
+one JSON line per event to ``out_file``, stamped with ``time.monotonic()`` (CLOCK_MONOTONIC: one
+clock for every process of the host, so the proxy's and the client's stamps line up with these):
+``register`` (the step that made a request's blocks the destination and sent DecodeReady),
+``read`` (start and end of each engine read into the KV layers), ``reported`` (the step that
+told vLLM a request's pull is over), ``step`` and ``collected`` (each worker step's start, idle
+or not, and the end of its ``collect``).
 Production code never imports this module.
 """
 
@@ -83,7 +80,7 @@ def _install_hooks() -> None:
 
 
 def wrap(engine: TransferEngine, layers: Sequence[Any], *, out_file: str) -> TimingEngine:
-    """The ``engine_wrapper`` factory (also hooks the puller's register and report)."""
+    """The engine wrapper factory (also hooks the puller's register and report)."""
     global _OUT
     _OUT = out_file
     _install_hooks()

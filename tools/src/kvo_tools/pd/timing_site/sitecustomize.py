@@ -1,21 +1,21 @@
-"""Test-only: stamps of a kvo prefill's per-layer hooks (``tools/bench/_pd_timeline.py``).
+"""Test-only: stamps of a kvo prefill's per-layer hooks (``kvo_tools.bench._pd_timeline``).
 
 A prefill started with this directory on PYTHONPATH and ``KVO_TIMING_OUT`` set appends one JSON
 line per ``KvoMultiConnector`` hook call to that file: the hook, the layer, and
 ``time.monotonic()`` at its entry and exit (one clock for every process of the host). The
-module is patched when it is first imported. Production code never imports this module.
+module is patched when it is first imported (``kvo_tools.pd.sites.timed_prefill_env``).
+Production code never imports this module.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import sys
 import threading
 import time
 from typing import Any
+
+from kvo_tools.pd.sites import patch_on_import
 
 OUT = os.environ.get("KVO_TIMING_OUT")
 TARGET = "kvo_vllm.remote_d2h.multi"
@@ -46,24 +46,5 @@ def _patch(module: Any) -> None:
             setattr(cls, name, _timed(name, getattr(cls, name)))
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            _patch(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 if OUT:
-    sys.meta_path.insert(0, _Finder())
+    patch_on_import(TARGET, _patch)
