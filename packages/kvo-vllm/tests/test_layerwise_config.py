@@ -81,15 +81,15 @@ def test_one_store_client_per_settings_closed_by_its_last_user() -> None:
     config = LayerwiseOffloadConfig(store_master_address="127.0.0.1:1")
     first, second = acquire_store(config, {}), acquire_store(config, {})
     other = acquire_store(config, {"protocol": "rdma"})
-    assert first.store is second.store is made[0] and other.store is made[1]
-    assert first.pending_puts is second.pending_puts is not other.pending_puts
+    assert first.shared.store is second.shared.store is made[0] and other.shared.store is made[1]
+    assert first.shared.pending_puts is second.shared.pending_puts is not other.shared.pending_puts
     first.release()
     assert not made[0].closed
     second.release()
     assert made[0].closed and not made[1].closed
     again = acquire_store(config, {})
     second.release()  # already released: ignored
-    assert again.store is made[2] and not made[2].closed
+    assert again.shared.store is made[2] and not made[2].closed
     again.release()
     other.release()
     assert made[2].closed and made[1].closed

@@ -141,8 +141,8 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         engine_id = str(self._kv_transfer_config.engine_id)
         self._store_lease: StoreLease | None = STORE_CLIENTS.acquire(
             self.config, store_options_from(extra))
-        self._store: Any = self._store_lease.store
-        self._pending_puts = self._store_lease.pending_puts
+        self._store: Any = self._store_lease.shared.store
+        self._pending_puts = self._store_lease.shared.pending_puts
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
         self._metric_deltas = CounterDeltas()

@@ -45,14 +45,6 @@ class StoreLease:
     settings: str
     _owner: StoreClients
 
-    @property
-    def store(self) -> Any:
-        return self.shared.store
-
-    @property
-    def pending_puts(self) -> PendingPuts:
-        return self.shared.pending_puts
-
     def release(self) -> None:
         """Drop this user; the last one closes the client."""
         self._owner.release(self)
@@ -94,7 +86,7 @@ class StoreClients:
             if leases:
                 return
             del self._leases[lease.settings], self._shared[lease.settings]
-        lease.store.close()
+        lease.shared.store.close()
 
     def _creator(self) -> Callable[..., Any]:
         if self._create is not None:
