@@ -214,6 +214,36 @@ def mooncake_master_fixture() -> Any:
     return master
 
 
+def master_metrics(master: Any) -> dict[str, float]:
+    """A Mooncake master's Prometheus metrics, by name (with labels)."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def settled_master_metrics(master: Any) -> dict[str, float]:
+    """The master's metrics once its key count and bytes stopped moving (finished requests'
+    private keys are removed in the background), or after 20 s."""
+    import time
+
+    last = master_metrics(master)
+    for _ in range(40):
+        time.sleep(0.5)
+        now = master_metrics(master)
+        if all(now[k] == last[k] for k in ("master_key_count", "master_allocated_bytes")):
+            return now
+        last = now
+    return last
+
+
 @attrs.frozen
 class KvoEngine:
     """A module's engine with kvo's connector, and its first answers (with an empty store and
