@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
+import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -216,8 +219,6 @@ def mooncake_master_fixture() -> Any:
 
 def master_metrics(master: Any) -> dict[str, float]:
     """A Mooncake master's Prometheus metrics, by name (with labels)."""
-    import urllib.request
-
     url = f"http://127.0.0.1:{master.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
@@ -232,8 +233,6 @@ def master_metrics(master: Any) -> dict[str, float]:
 def settled_master_metrics(master: Any) -> dict[str, float]:
     """The master's metrics once its key count and bytes stopped moving (finished requests'
     private keys are removed in the background), or after 20 s."""
-    import time
-
     last = master_metrics(master)
     for _ in range(40):
         time.sleep(0.5)
@@ -242,6 +241,21 @@ def settled_master_metrics(master: Any) -> dict[str, float]:
             return now
         last = now
     return last
+
+
+def served_by_engine(url: str) -> dict[str, float]:
+    """vLLM's finished requests per engine (DP rank: the ``engine`` label) of the API server
+    at ``url``, from its ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine:
+                counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(
+                    line.rsplit(" ", 1)[1])
+    return counts
 
 
 @attrs.frozen

@@ -24,8 +24,6 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,19 +89,6 @@ def _ask(url: str, cases: list[tuple[str, int]]) -> dict[str, Answer]:
         assert got.ok, (tag, got.error)
         answers[tag] = (list(got.token_ids), list(got.logprobs))
     return answers
-
-
-def _served_by_engine(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine:
-                counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(
-                    line.rsplit(" ", 1)[1])
-    return counts
 
 
 def _rank_stats(stats: Path, dp_rank: int) -> dict[str, Any]:
@@ -204,7 +189,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         endpoints = {rank: str(_rank_stats(stats, rank).get("endpoint")) for rank in (0, 1)}
         yield Served(want=want, tp1=tp1, tp2=tp2, kv_port=kv_port, endpoints=endpoints,
                      pools=pools, pool_holders=holders,
-                     per_engine=_served_by_engine(decode.url or ""))
+                     per_engine=e2e.served_by_engine(decode.url or ""))
 
 
 def _full_block_bytes(cases: list[tuple[str, int]], tags: set[str], row_bytes: int) -> int:
