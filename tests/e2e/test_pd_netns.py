@@ -1,6 +1,6 @@
 """Beyond loopback: prefill, decode, the Mooncake master and the proxy as separate hosts.
 
-Each runs in a network namespace of its own (tools/pd/netns.py: 10.77.0.1-4 on veth pairs to a
+Each runs in a network namespace of its own (kvo_tools.pd.netns: 10.77.0.1-4 on veth pairs to a
 bridge in this test's private namespace), so the Mooncake Store traffic, the transfer engine's
 pulls, the authenticated ZMQ control plane and the proxy's signed notifications all cross a
 network link. With the control secret set (the decode through its ``control_secret`` config

@@ -3,7 +3,7 @@ kvo's plugin leaves a dense model served; kvo's sparse settings where kvo's plat
 run are an error naming the platform.
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` with the tiny random Llama
-(``tools/models/tiny_llama.py``), started by ``tools/pd/cluster.py`` (its output in a log file).
+(``kvo_tools.models.tiny_llama``), started by ``kvo_tools.pd.cluster`` (its output in a log file).
 The fault is injected from outside kvo: a ``sitecustomize`` on the server's PYTHONPATH makes
 importing ``kvo_vllm.dsa.platform`` raise, as a broken install or an incompatible vLLM would.
 """

@@ -21,17 +21,17 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
   ``--max-decode-kills`` times: a restart takes a minute here);
 - ``routing_id_takeover``: while the batch runs, a second ZMQ connection claims the routing id
   of the prefill's live control connection on the decode's ROUTER again and again (read from
-  the decode's log; tools/pd/hostile.py); the decode must never answer it (``takeover`` in the
+  the decode's log; kvo_tools.pd.hostile); the decode must never answer it (``takeover`` in the
   JSON counts tries and answers) and the prefill's own connection must keep working;
 - ``shm_nearly_full``: /dev/shm is filled up to ``--shm-remainder-kib`` KiB while the batch
   runs, then emptied again. The soak runs in a mount namespace of its own with a small private
-  tmpfs (``--shm-mib``) on /dev/shm (tools/pd/private_shm.py), shared by all its engines as one
+  tmpfs (``--shm-mib``) on /dev/shm (kvo_tools.pd.private_shm), shared by all its engines as one
   host's are: the machine's /dev/shm is never filled. Without root (no mount namespace) the
   fault is left out and the JSON says why (``skipped_faults``).
 
 - ``decode_tp_rank_killed`` (only with ``--decode-tp`` 2): one decode TP worker other than
   rank 0 (vLLM's ``VLLM::Worker_TP1`` process, found among the decode server's descendants:
-  tools/pd/tp_workers.py) is SIGKILLed while the batch runs; the requests in flight must fail
+  kvo_tools.pd.tp_workers) is SIGKILLed while the batch runs; the requests in flight must fail
   cleanly or answer right, never hang. Then the decode is restarted as for ``decode_killed``
   (its whole process group killed first, whatever vLLM made of the lost rank), at most
   ``--max-tp-rank-kills`` times. The JSON's ``tp_rank_kills`` says which rank and pid died and
@@ -61,7 +61,7 @@ to back, so the time includes one probe's own latency. A pair still unusable aft
 ``--recovery-limit`` seconds counts as ``unrecovered`` (must be 0). The issue's target is one
 layer deadline (10 s here) plus one handshake.
 The JSON records each engine's resident memory and /dev/shm files at the soak's start and end
-(``footprint``: per process group, tools/pd/footprint.py). Prints the table and writes JSON. Not
+(``footprint``: per process group, kvo_tools.pd.footprint). Prints the table and writes JSON. Not
 part of ``nox -s tests``: ``nox -s soak`` (``-- --requests 50`` for a shorter run). Exit 0 when
 wrong == hung == crashes == unrecovered == 0
 (probes included) and every decode TP rank kill reached its worker.

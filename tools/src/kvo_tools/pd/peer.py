@@ -3,7 +3,7 @@
 A prefill and a decode vLLM with ``CpuMooncakeConnector`` (``pd.peer_mooncake``: vLLM's
 ``MooncakeConnector`` as shipped, made to start without an accelerator), Mooncake's Transfer
 Engine over tcp, and ``pd/peer_proxy.py`` in front. The prefill serves vLLM's Mooncake bootstrap
-endpoint on its own port. Used by ``tools/bench/e2e.py``; everything binds loopback except
+endpoint on its own port. Used by ``kvo_tools.bench.e2e``; everything binds loopback except
 Mooncake and the bootstrap server (which bind every interface), so callers run inside a
 loopback-only network namespace like the rest of the deployment.
 """
