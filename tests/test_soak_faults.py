@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd.hostile import TakeoverCounts, keep_taking_over, live_routing_id
 
 from kvo_core.gates import SlotGates
+from kvo_tools.pd.hostile import TakeoverCounts, keep_taking_over, live_routing_id
 from kvo_transport.decode_side import DecodeReceiver
 from kvo_transport.engine import TransferEngine, create_transfer_engine
 from kvo_transport.prefill_side import PrefillPublisher
@@ -98,7 +98,7 @@ def test_the_soak_claims_the_logged_routing_id_and_the_decode_never_answers_it(
 
 
 def test_the_soak_never_fills_a_dev_shm_that_is_not_its_own(monkeypatch) -> None:
-    from pd import private_shm
+    from kvo_tools.pd import private_shm
 
     monkeypatch.delenv(private_shm.MARK, raising=False)
     with pytest.raises(RuntimeError, match="not the soak's private one"), private_shm.filled(0):
@@ -107,10 +107,9 @@ def test_the_soak_never_fills_a_dev_shm_that_is_not_its_own(monkeypatch) -> None
 
 
 FILL_SCRIPT = """
-import json, os, sys
-sys.path.insert(0, {tools!r})
-from pd.private_shm import filled, free_bytes
-report = {{"before": free_bytes()}}
+import json, os
+from kvo_tools.pd.private_shm import filled, free_bytes
+report = {"before": free_bytes()}
 try:
     with filled(16384) as left:
         report["left"] = left
@@ -137,13 +136,12 @@ def test_shm_nearly_full_leaves_the_remainder_and_frees_it_again_after_a_failure
     import subprocess
     import sys
 
-    from pd import private_shm
+    from kvo_tools.pd import private_shm
 
     if private_shm.why_no_private_shm() is not None or shutil.which("unshare") is None:
         pytest.skip(f"no private /dev/shm here: {private_shm.why_no_private_shm()}")
-    tools = str(Path(private_shm.__file__).resolve().parent.parent)
     script = tmp_path / "fill.py"
-    script.write_text(FILL_SCRIPT.format(tools=tools))
+    script.write_text(FILL_SCRIPT)
     result = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
          f"mount -t tmpfs -o size=4m kvo-test-shm /dev/shm && {private_shm.MARK}=4 exec "

@@ -1,4 +1,4 @@
-"""The soak's footprint splits each engine's resident memory by kind (tools/pd/footprint.py), so
+"""The soak's footprint splits each engine's resident memory by kind (kvo_tools.pd.footprint), so
 a growth over a soak says whether heaps, mapped files or shared memory grew."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from pd.footprint import footprint
+from kvo_tools.pd.footprint import footprint
 
 CHILD = """
 import mmap, sys

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import soak
-from pd.tp_workers import NoTPWorker, descendants, tp_worker
+
+from kvo_tools import soak
+from kvo_tools.pd.tp_workers import NoTPWorker, descendants, tp_worker
 
 
 def _fake_process(proc: Path, pid: int, parent: int, title: str, comm: str = "python") -> None:
@@ -138,7 +139,7 @@ def test_each_decode_restarting_fault_has_its_own_limit() -> None:
 
 def test_the_soak_records_whether_the_decode_server_exits_after_losing_a_rank(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pd.cluster import Managed, free_port
+    from kvo_tools.pd.cluster import Managed, free_port
 
     monkeypatch.setattr(soak, "SERVER_EXIT_WAIT_S", 2.0)
     for name, code, exited in (("exits", "import time; time.sleep(0.5)", True),

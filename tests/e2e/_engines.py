@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
+import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -70,7 +73,7 @@ def engine_environment(extra: Mapping[str, str] | None = None, *,
 def tiny_dsv32(tmp_path_factory: pytest.TempPathFactory, name: str, *, num_layers: int,
                index_topk: int, mtp: bool = False) -> Path:
     """A tiny random DeepSeek-V3.2-architecture model in a new temporary directory ``name``."""
-    from models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
 
     return build_tiny_dsv32(tmp_path_factory.mktemp(name), num_layers=num_layers,
                             index_topk=index_topk, mtp=mtp)
@@ -214,6 +217,47 @@ def mooncake_master_fixture() -> Any:
     return master
 
 
+def master_metrics(master: Any) -> dict[str, float]:
+    """A Mooncake master's Prometheus metrics, by name (with labels)."""
+    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def settled_master_metrics(master: Any) -> dict[str, float]:
+    """The master's metrics once its key count and bytes stopped moving (finished requests'
+    private keys are removed in the background), or after 20 s."""
+    last = master_metrics(master)
+    for _ in range(40):
+        time.sleep(0.5)
+        now = master_metrics(master)
+        if all(now[k] == last[k] for k in ("master_key_count", "master_allocated_bytes")):
+            return now
+        last = now
+    return last
+
+
+def served_by_engine(url: str) -> dict[str, float]:
+    """vLLM's finished requests per engine (DP rank: the ``engine`` label) of the API server
+    at ``url``, from its ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine:
+                counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(
+                    line.rsplit(" ", 1)[1])
+    return counts
+
+
 @attrs.frozen
 class KvoEngine:
     """A module's engine with kvo's connector, and its first answers (with an empty store and
@@ -271,7 +315,7 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                       max_num_seqs: int, max_model_len: int, deadline_s: float,
                       prefill_tp: int = 1, decode_tp: int = 1,
                       extra_args: tuple[str, ...] = (),
-                      engine_wrapper: Mapping[str, Any] | None = None,
+                      decode_env: Mapping[str, str] | None = None,
                       decode_mode: str = "offload",
                       sparse: Mapping[str, Any] | None = None,
                       decode_kernel_backend: str | None = None,
@@ -281,14 +325,15 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
     (default offload: main KV in its host pool), each at
     its TP (``mp`` executor, ``TP2_WORKERS`` binding), both stepping ``block_size`` tokens at a
     time; ``extra_args`` go to both servers, ``sparse`` (``kvo_sparse`` settings, e.g. the
-    indexer dtype) to both too, ``decode_kernel_backend`` to the decode alone; decode reads
-    fail at once (no retries) and a failed pull is recomputed. ``speculative_tokens`` > 0: the
-    model gets one MTP layer and both servers draft that many tokens with it
-    (``speculative_config`` method ``mtp``)."""
+    indexer dtype) to both too, ``decode_kernel_backend`` to the decode alone, ``decode_env``
+    to the decode (e.g. the tests' fault injection, ``kvo_tools.pd.sites.faulty_decode_env``);
+    decode reads fail at once (no retries) and a failed pull is recomputed.
+    ``speculative_tokens`` > 0: the model gets one MTP layer and both servers draft that many
+    tokens with it (``speculative_config`` method ``mtp``)."""
     import json
 
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
 
     model = build_tiny_dsv32(workdir / "model", num_layers=num_layers, index_topk=index_topk,
                              mtp=speculative_tokens > 0)
@@ -305,12 +350,11 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
         decode = cluster.start_vllm(
             "decode" if decode_tp == 1 else f"decode-tp{decode_tp}", model, free_port(),
             decode_transfer_config(kv_port, workdir / "decode-stats.json",
-                                   layer_deadline_s=deadline_s, read_retries=0,
-                                   engine_wrapper=engine_wrapper),
+                                   layer_deadline_s=deadline_s, read_retries=0),
             extra_args=[*steps, *extra_args, *_tp_args(decode_tp), "--additional-config",
                         json.dumps({"kvo_sparse": decode_sparse})],
-            env=TP2_WORKERS if decode_tp > 1 else None, max_model_len=max_model_len,
-            block_size=block_size)
+            env={**(TP2_WORKERS if decode_tp > 1 else {}), **(decode_env or {})},
+            max_model_len=max_model_len, block_size=block_size)
         prefill = cluster.start_vllm(
             "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(), {
                 "kv_connector": "RemoteD2HConnector",

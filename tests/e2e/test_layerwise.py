@@ -49,7 +49,7 @@ engine_env = e2e.engine_env_fixture(clear_sparse_config=False)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_llama import build_tiny_llama
+    from kvo_tools.models.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_layers=NUM_LAYERS)
 

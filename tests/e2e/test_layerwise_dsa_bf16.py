@@ -16,8 +16,6 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,31 +56,6 @@ def _generate(llm: Any) -> e2e.Answers:
     return e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
 
 
-def _metrics(master: Any) -> dict[str, float]:
-    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def _settled(master: Any) -> dict[str, float]:
-    """The master's metrics once its key count and bytes stopped moving (finished requests'
-    private keys are removed in the background)."""
-    last = _metrics(master)
-    for _ in range(40):
-        time.sleep(0.5)
-        now = _metrics(master)
-        if all(now[k] == last[k] for k in ("master_key_count", "master_allocated_bytes")):
-            return now
-        last = now
-    return last
-
-
 @attrs.frozen
 class StoreRun:
     """One layerwise engine's cold run: its answers, what it saved, what the master holds."""
@@ -106,9 +79,10 @@ def _store_run(model: Path, dtype: str, master: Any) -> tuple[Any, StoreRun]:
     llm = _engine(model, dtype, master)
     cold = _generate(llm)
     worker = e2e.layerwise_worker_connector()
+    # The master's metrics before the stop: the blocks live in the engine's segment.
     run = StoreRun(cold=cold, saved=dict(worker.stats.saved_bytes_by_part),
                    main_block_bytes=worker.layout.layers[0].parts[0].block_bytes,
-                   master=_settled(master))   # before the stop: blocks live in its segment
+                   master=e2e.settled_master_metrics(master))
     return llm, run
 
 

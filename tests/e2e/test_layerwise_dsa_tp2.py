@@ -16,8 +16,6 @@ Mooncake listens on every interface, so this runs inside a loopback-only network
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,31 +53,6 @@ def _generate(llm: Any) -> e2e.Answers:
     return e2e.greedy_answers(llm, PROMPTS, MAX_TOKENS)
 
 
-def _metrics(master: Any) -> dict[str, float]:
-    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def _settled(master: Any) -> dict[str, float]:
-    """The master's metrics once its key count and bytes stopped moving (a test measurement:
-    finished requests' private keys are removed in the background)."""
-    last = _metrics(master)
-    for _ in range(40):
-        time.sleep(0.5)
-        now = _metrics(master)
-        if all(now[k] == last[k] for k in ("master_key_count", "master_allocated_bytes")):
-            return now
-        last = now
-    return last
-
-
 def _gets(metrics: dict[str, float]) -> float:
     """Keys the master was asked to locate for reads (a worker's batched get: one per key)."""
     return metrics.get("master_batch_get_replica_list_items_total", 0.0)
@@ -102,7 +75,8 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
     with MooncakeMaster() as master:
         llm = _engine(dsv32_model, master, tp=1)
         _generate(llm)
-        tp1 = _settled(master)   # before the stop: the blocks live in the engine's segment
+        # before the stop: the blocks live in the engine's segment
+        tp1 = e2e.settled_master_metrics(master)
         e2e.stop_engine(llm)
         del llm
     with MooncakeMaster() as master:
@@ -110,11 +84,11 @@ def runs(engine_env: None, dsv32_model: Path) -> Iterator[Runs]:
         cold = _generate(llm)
         tokenizer = llm.get_tokenizer()
         hit_blocks = sum((len(tokenizer(p).input_ids) - 1) // BLOCK_SIZE for p in PROMPTS)
-        tp2 = _settled(master)
+        tp2 = e2e.settled_master_metrics(master)
         assert llm.reset_prefix_cache()
-        before = _gets(_metrics(master))
+        before = _gets(e2e.master_metrics(master))
         hit = _generate(llm)
-        gets = _gets(_metrics(master)) - before
+        gets = _gets(e2e.master_metrics(master)) - before
         e2e.stop_engine(llm)
         del llm
     yield Runs(tp1=tp1, tp2=tp2, tp2_cold=cold, tp2_hit=hit, tp2_hit_gets=gets,

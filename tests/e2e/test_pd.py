@@ -45,7 +45,7 @@ DEADLINE_S = 15.0
 
 
 def _prompt(tag: str, length: int) -> str:
-    from pd.prompts import DENSE_TEXT, tagged_prompt
+    from kvo_tools.pd.prompts import DENSE_TEXT, tagged_prompt
 
     return tagged_prompt(tag, length, DENSE_TEXT)
 
@@ -74,16 +74,16 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from models.tiny_llama import build_tiny_llama
-    from pd.cluster import (
+    from kvo_tools.models.tiny_llama import build_tiny_llama
+    from kvo_tools.pd.cluster import (
         Cluster,
         decode_transfer_config,
-        faulty_decode,
         free_port,
         prefill_transfer_config,
         start_master,
         wait_healthy,
     )
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd")
     model = build_tiny_llama(workdir / "model", num_layers=NUM_LAYERS)
@@ -99,7 +99,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 layer_deadline_s=DEADLINE_S, handshake_timeout_s=DEADLINE_S))
             decode = cluster.start_vllm("decode", model, free_port(), decode_transfer_config(
                 kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                engine_wrapper=faulty_decode(faults), read_retries=0))
+                read_retries=0), env=faulty_decode_env(faults))
             # Twice the block size: a decode block is two prefill blocks' bytes.
             mismatch = cluster.start_vllm(
                 "mismatch", model, free_port(),
@@ -119,7 +119,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False,
               max_tokens: int = MAX_TOKENS) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, max_tokens, stream=stream, chat=chat),
                     timeout_s=300)

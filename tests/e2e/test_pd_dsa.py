@@ -56,7 +56,7 @@ ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
 
 
 def _prompt(tag: str, length: int) -> str:
-    from pd.prompts import tagged_prompt
+    from kvo_tools.pd.prompts import tagged_prompt
 
     return tagged_prompt(tag, length)
 
@@ -88,16 +88,16 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import (
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import (
         Cluster,
         decode_transfer_config,
-        faulty_decode,
         free_port,
         prefill_transfer_config,
         start_master,
         wait_healthy,
     )
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd-dsa")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
@@ -116,10 +116,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             decode = cluster.start_vllm(
                 "decode", model, free_port(), decode_transfer_config(
                     kv_port, workdir / "decode-stats.json", layer_deadline_s=DEADLINE_S,
-                    engine_wrapper=faulty_decode(workdir / "faults.json"), read_retries=0),
+                    read_retries=0),
                 extra_args=[*steps, "--additional-config",
                             json.dumps({"kvo_sparse": {"mode": "offload"}})],
-                max_model_len=2048, block_size=BLOCK_SIZE)
+                max_model_len=2048, block_size=BLOCK_SIZE,
+                env=faulty_decode_env(workdir / "faults.json"))
             # A decode whose indexer cache is C8 (int8 keys + fp16 scale): the bf16 prefill's
             # layout does not match it.
             c8 = cluster.start_vllm(
@@ -154,7 +155,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 
 def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=stream, chat=chat),
                     timeout_s=300)
@@ -193,7 +194,7 @@ def _decode_stats(deployment: Deployment) -> dict[str, Any]:
 def _settled_stats(deployment: Deployment, ended: int,
                    name: str = "decode") -> dict[str, Any]:
     """Decode's stats once ``received + failed`` reached ``ended`` (the file lags a step)."""
-    from pd.stats import settled_decode_stats
+    from kvo_tools.pd.stats import settled_decode_stats
 
     return settled_decode_stats(deployment.workdir / f"{name}-stats.json", ended)
 
@@ -407,7 +408,7 @@ def test_decode_killed_mid_request_prefill_recovers(deployment: Deployment) -> N
     """Kill decode while the prefill publishes a request to it (the module's last use of that
     decode): the client gets an error, the prefill's sends and reads end by their deadline,
     and a new decode started afterwards is served by the same prefill."""
-    from pd.cluster import decode_transfer_config, free_port, wait_healthy
+    from kvo_tools.pd.cluster import decode_transfer_config, free_port, wait_healthy
 
     before = _prefill_stats(deployment)["remote"]["prefill"]
     seen = len(_proxy_records(deployment.proxy))

@@ -42,15 +42,15 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
 
 
 def _complete(url: str, prompt: str) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
                     timeout_s=300)
 
 
 def test_bf16_pd_equals_the_decodes_own_answer(deployment: e2e.PDDeployment) -> None:
-    from pd.prompts import tagged_prompt
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.prompts import tagged_prompt
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     before = decode_stats(deployment.decode_stats_file)
     cases = [("alpha", 200), ("bravo", 140)]

@@ -24,8 +24,6 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,13 +74,13 @@ class Served:
 
 
 def _prompt(tag: str, length: int) -> str:
-    from pd.prompts import tagged_prompt
+    from kvo_tools.pd.prompts import tagged_prompt
 
     return tagged_prompt(tag, length)
 
 
 def _ask(url: str, cases: list[tuple[str, int]]) -> dict[str, Answer]:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     answers = {}
     for tag, length in cases:   # one at a time
@@ -93,34 +91,21 @@ def _ask(url: str, cases: list[tuple[str, int]]) -> dict[str, Answer]:
     return answers
 
 
-def _served_by_engine(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine:
-                counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(
-                    line.rsplit(" ", 1)[1])
-    return counts
-
-
 def _rank_stats(stats: Path, dp_rank: int) -> dict[str, Any]:
-    from pd.stats import decode_stats
+    from kvo_tools.pd.stats import decode_stats
 
     return decode_stats(Path(f"{stats}.dp{dp_rank}"))
 
 
 def _settled(stats: Path, ended: dict[int, int]) -> dict[int, dict[str, Any]]:
-    from pd.stats import settled_decode_stats
+    from kvo_tools.pd.stats import settled_decode_stats
 
     return {rank: settled_decode_stats(Path(f"{stats}.dp{rank}"), count)
             for rank, count in ended.items()}
 
 
 def _phase(proxy: str, stats: Path, cases: list[tuple[str, int]]) -> PulledPhase:
-    from pd.cluster import get_json
+    from kvo_tools.pd.cluster import get_json
 
     before = {rank: _rank_stats(stats, rank) for rank in (0, 1)}
     answers = _ask(proxy, cases)
@@ -145,8 +130,8 @@ def _phase(proxy: str, stats: Path, cases: list[tuple[str, int]]) -> PulledPhase
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from models.tiny_dsv32 import build_tiny_dsv32
-    from pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
+    from kvo_tools.models.tiny_dsv32 import build_tiny_dsv32
+    from kvo_tools.pd.cluster import Cluster, decode_transfer_config, free_port, wait_healthy
 
     workdir = tmp_path_factory.mktemp("pd-dsa-dp2")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
@@ -204,7 +189,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         endpoints = {rank: str(_rank_stats(stats, rank).get("endpoint")) for rank in (0, 1)}
         yield Served(want=want, tp1=tp1, tp2=tp2, kv_port=kv_port, endpoints=endpoints,
                      pools=pools, pool_holders=holders,
-                     per_engine=_served_by_engine(decode.url or ""))
+                     per_engine=e2e.served_by_engine(decode.url or ""))
 
 
 def _full_block_bytes(cases: list[tuple[str, int]], tags: set[str], row_bytes: int) -> int:

@@ -40,20 +40,20 @@ INDEXERS = {"bf16": {}, "c8": {"indexer_kv_dtype": "int8"}}
 @pytest.fixture(scope="module", params=sorted(INDEXERS))
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[e2e.PDDeployment]:
-    from pd.cluster import faulty_decode
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp(f"pd-dsa-fused-{request.param}")
     (workdir / "faults.json").write_text("{}")
     with e2e.pd_dsa_deployment(
             workdir, num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, block_size=BLOCK_SIZE,
             max_num_seqs=2, max_model_len=1024, deadline_s=DEADLINE_S, extra_args=tuple(BF16),
-            engine_wrapper=faulty_decode(workdir / "faults.json"),
+            decode_env=faulty_decode_env(workdir / "faults.json"),
             sparse=INDEXERS[request.param], decode_kernel_backend="fused") as running:
         yield running
 
 
 def _complete(url: str, prompt: str) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
                     timeout_s=300)
@@ -66,8 +66,8 @@ def _set_faults(deployment: e2e.PDDeployment, **faults: Any) -> None:
 
 
 def test_pd_into_the_fused_decode_equals_its_own_answer(deployment: e2e.PDDeployment) -> None:
-    from pd.prompts import tagged_prompt
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.prompts import tagged_prompt
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     before = decode_stats(deployment.decode_stats_file)
     cases = [("alpha", 200), ("bravo", 140)]
@@ -99,8 +99,8 @@ def test_corrupted_main_kv_in_flight_changes_the_fused_answer(deployment: e2e.PD
                                                               ) -> None:
     """Every pulled main-KV row (the selected ones among them) is damaged after it arrived in
     staging, before the split: the fused decode's answer changes; the next clean pull heals."""
-    from pd.prompts import tagged_prompt
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.prompts import tagged_prompt
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     prompt = tagged_prompt("echo", 200)
     want = _complete(deployment.decode, prompt)

@@ -47,7 +47,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
 
 
 def _complete(url: str, prompt: str) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
                     timeout_s=300)
@@ -60,8 +60,8 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: e2e.PDDeployment) -> None:
     decode past the layer deadline (measured, issue 14 notes): the fence then refuses the read
     and the request is recomputed to the same answer, so a request may end ``failed`` (never
     wrong); at least one must be pulled, and with none failed the bytes are exact."""
-    from pd.prompts import tagged_prompt
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.prompts import tagged_prompt
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     before = decode_stats(deployment.decode_stats_file)
     cases = [("golf", 257), ("hotel", 700), ("india", 200)]

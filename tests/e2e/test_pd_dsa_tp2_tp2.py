@@ -43,19 +43,19 @@ INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeployment]:
-    from pd.cluster import faulty_decode
+    from kvo_tools.pd.sites import faulty_decode_env
 
     workdir = tmp_path_factory.mktemp("pd-dsa-tp2-tp2")
     with e2e.pd_dsa_deployment(
             workdir, num_layers=NUM_LAYERS, index_topk=INDEX_TOPK, block_size=BLOCK_SIZE,
             max_num_seqs=2, max_model_len=1024, deadline_s=DEADLINE_S, prefill_tp=2,
             decode_tp=2,
-            engine_wrapper=faulty_decode(workdir / "faults-{tp_rank}.json")) as running:
+            decode_env=faulty_decode_env(workdir / "faults-{tp_rank}.json")) as running:
         yield running
 
 
 def _complete(url: str, prompt: str) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
                     timeout_s=300)
@@ -63,7 +63,7 @@ def _complete(url: str, prompt: str) -> Any:
 
 def _ranks_stats(deployment: e2e.PDDeployment, ended: list[int] | None = None
                  ) -> list[dict[str, Any]]:
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     if ended is None:
         return [decode_stats(deployment.rank_stats_file(r)) for r in range(2)]
@@ -96,7 +96,7 @@ def test_tp2_prefill_feeds_a_tp2_decode_sharing_one_pool(
     full block. On a 2-CPU host two TP 2 engines can starve a pull past its layer deadline
     (test_pd_dsa_tp2.py): that request is recomputed to the same answer (checked) and its bytes
     are not; at least two requests must be pulled cleanly by both ranks."""
-    from pd.prompts import tagged_prompt
+    from kvo_tools.pd.prompts import tagged_prompt
 
     checked = 0
     for tag, length in [("golf", 257), ("hotel", 140), ("india", 200)]:
@@ -131,7 +131,7 @@ def test_a_corrupted_main_pull_on_rank_1_changes_the_answer(
     """Rank 1's main-KV pulls corrupted after they landed (rank 0's and every indexer pull
     intact): the answer differs from the decode's own, so the rows rank 1 pulled are in the
     pool that the attention reads. With the fault off again the answer is right."""
-    from pd.prompts import tagged_prompt
+    from kvo_tools.pd.prompts import tagged_prompt
 
     for tag in ("kilo", "juliett"):  # a second prompt if a pull was starved (recomputed)
         prompt = tagged_prompt(tag, 257)
@@ -162,7 +162,7 @@ def test_a_failed_pull_on_rank_1_is_recomputed_for_both_ranks(
         deployment: e2e.PDDeployment) -> None:
     """Rank 1's first read fails (rank 0's pulls succeed): rank 1 reports the request's blocks
     invalid, vLLM recomputes them for every rank, and the answer equals the decode's own."""
-    from pd.prompts import tagged_prompt
+    from kvo_tools.pd.prompts import tagged_prompt
 
     prompt = tagged_prompt("mike", 200)
     want = _complete(deployment.decode, prompt)

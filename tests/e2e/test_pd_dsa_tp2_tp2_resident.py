@@ -35,7 +35,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
 
 
 def _complete(url: str, prompt: str) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
                     timeout_s=300)
@@ -44,8 +44,8 @@ def _complete(url: str, prompt: str) -> Any:
 def test_tp2_prefill_feeds_a_resident_tp2_decode(deployment: e2e.PDDeployment) -> None:
     """Answers equal the decode's own exactly; per request every rank pulled every full prompt
     block's main KV (its own cache) and indexer keys."""
-    from pd.prompts import tagged_prompt
-    from pd.stats import decode_stats, settled_decode_stats
+    from kvo_tools.pd.prompts import tagged_prompt
+    from kvo_tools.pd.stats import decode_stats, settled_decode_stats
 
     for tag, length in [("november", 257), ("oscar", 200)]:
         prompt = tagged_prompt(tag, length)

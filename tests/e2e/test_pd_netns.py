@@ -1,6 +1,6 @@
 """Beyond loopback: prefill, decode, the Mooncake master and the proxy as separate hosts.
 
-Each runs in a network namespace of its own (tools/pd/netns.py: 10.77.0.1-4 on veth pairs to a
+Each runs in a network namespace of its own (kvo_tools.pd.netns: 10.77.0.1-4 on veth pairs to a
 bridge in this test's private namespace), so the Mooncake Store traffic, the transfer engine's
 pulls, the authenticated ZMQ control plane and the proxy's signed notifications all cross a
 network link. With the control secret set (the decode through its ``control_secret`` config
@@ -32,12 +32,7 @@ REFUSAL = "not a loopback address and no control secret is set"
 
 
 def _unavailable() -> str | None:
-    import sys
-
-    tools = Path(__file__).resolve().parents[2] / "tools"
-    if str(tools) not in sys.path:
-        sys.path.insert(0, str(tools))
-    from pd.netns import why_unavailable
+    from kvo_tools.pd.netns import why_unavailable
 
     return why_unavailable()
 
@@ -69,8 +64,8 @@ def _wait_port(host: str, port: int, timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    from models.tiny_llama import build_tiny_llama
-    from pd.cluster import (
+    from kvo_tools.models.tiny_llama import build_tiny_llama
+    from kvo_tools.pd.cluster import (
         STORE_LEASE_MS,
         Cluster,
         decode_transfer_config,
@@ -78,8 +73,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         prefill_transfer_config,
         wait_healthy,
     )
-    from pd.netns import VirtualHosts
-
+    from kvo_tools.pd.netns import VirtualHosts
     from kvo_transport.mooncake_master import find_master_binary
 
     workdir = tmp_path_factory.mktemp("pd-netns")
@@ -117,7 +111,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
 
 
 def _complete(url: str, prompt: str, **kwargs: Any) -> Any:
-    from pd.client import complete, completion_body
+    from kvo_tools.pd.client import complete, completion_body
 
     return complete(url, completion_body(prompt, MAX_TOKENS, **kwargs), timeout_s=300)
 
@@ -142,7 +136,7 @@ def test_pd_across_hosts_answers_equal_plain_vllm(deployment: Hosts) -> None:
     time.sleep(1.0)
     decode = _stats(deployment, "decode")["decode"]
     assert decode["received"] >= 2 and decode["failed"] == 0
-    from pd.cluster import get_json
+    from kvo_tools.pd.cluster import get_json
 
     meta = get_json(deployment.proxy + "/kvo/v1/metadata")
     assert meta["decode_endpoints"] == {"0/0": f"tcp://{deployment.hosts.addresses['decode']}:"
@@ -152,7 +146,7 @@ def test_pd_across_hosts_answers_equal_plain_vllm(deployment: Hosts) -> None:
 
 def test_without_the_secret_a_non_loopback_decode_and_proxy_refuse_to_start(
         deployment: Hosts) -> None:
-    from pd.cluster import decode_transfer_config
+    from kvo_tools.pd.cluster import decode_transfer_config
 
     hosts, cluster = deployment.hosts, deployment.cluster
     os_env_secret = os.environ.pop("KVO_CONTROL_SECRET", None)

@@ -3,7 +3,7 @@ kvo's plugin leaves a dense model served; kvo's sparse settings where kvo's plat
 run are an error naming the platform.
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` with the tiny random Llama
-(``tools/models/tiny_llama.py``), started by ``tools/pd/cluster.py`` (its output in a log file).
+(``kvo_tools.models.tiny_llama``), started by ``kvo_tools.pd.cluster`` (its output in a log file).
 The fault is injected from outside kvo: a ``sitecustomize`` on the server's PYTHONPATH makes
 importing ``kvo_vllm.dsa.platform`` raise, as a broken install or an incompatible vLLM would.
 """
@@ -39,14 +39,14 @@ sys.meta_path.insert(0, _KvoPlatformFault())
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.tiny_llama import build_tiny_llama
+    from kvo_tools.models.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_layers=2)
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[object]:
-    from pd.cluster import Cluster
+    from kvo_tools.pd.cluster import Cluster
 
     with Cluster(tmp_path / "servers") as started:
         yield started
@@ -54,7 +54,7 @@ def cluster(tmp_path: Path) -> Iterator[object]:
 
 def _serve_and_complete(cluster: object, model: Path, env: dict[str, str]) -> str:
     """Start one API server, answer one completion, stop it; its log."""
-    from pd.cluster import SERVED_MODEL, free_port, post_json, wait_healthy
+    from kvo_tools.pd.cluster import SERVED_MODEL, free_port, post_json, wait_healthy
 
     port = free_port()
     server = cluster.start_vllm("vllm", model, port, max_model_len=512,  # type: ignore[attr-defined]
@@ -87,10 +87,9 @@ def test_a_fault_in_kvos_plugin_is_logged_and_vllm_still_serves_a_dense_model(
     site = tmp_path / "fault_site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAULT_SITE)
-    from pd.cluster import TOOLS
+    from kvo_tools.pd.sites import on_pythonpath
 
-    path = os.pathsep.join(filter(None, (str(site), str(TOOLS), os.environ.get("PYTHONPATH"))))
-    log = _serve_and_complete(cluster, tiny_model, {"PYTHONPATH": path})
+    log = _serve_and_complete(cluster, tiny_model, {"PYTHONPATH": on_pythonpath(site)})
     failed = re.findall(VLLM_LINE + r"kvo: the platform plugin failed; it steps aside", log)
     assert failed, log[-4000:]
     assert "injected fault: kvo_vllm.dsa.platform cannot be imported" in log

@@ -2,7 +2,7 @@
 and the store works again once the master is back. Real master, real client.
 
 The bounds asserted here are generous correctness bounds ("fails rather than hangs"); the
-measured times are in tools/bench/store_outage.py.
+measured times are in kvo_tools.bench.store_outage.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from kvo_core.config import LayerwiseOffloadConfig
 from kvo_core.errors import ConfigError
 from kvo_vllm.connectors import LayerwiseStoreConnector as ByStablePath
 from kvo_vllm.layerwise import EagerModeRequiredError, LayerwiseStoreConnector
-from kvo_vllm.layerwise.store_client import acquire_store, backend_options, store_options_from
+from kvo_vllm.layerwise.store_client import StoreClients, backend_options, store_options_from
 
 
 def fake_vllm_config(extra: dict[str, Any], enforce_eager: bool = True) -> Any:
@@ -64,11 +64,10 @@ def test_store_options_must_be_a_mapping() -> None:
         store_options_from({"store_options": ["tcp://x"]})
 
 
-def test_one_store_client_per_settings_closed_by_its_last_user(monkeypatch) -> None:
-    """The scheduler and worker halves in one process share a client (a fake here: this is
-    the sharing, not the store); a lease released twice, even after the settings got a new
-    client, never closes that new one."""
-    import kvo_transport.store
+def test_one_store_client_per_settings_closed_by_its_last_user() -> None:
+    """The scheduler and worker halves in one process share a client and its pending puts (a
+    fake client here: this is the sharing, not the store); a lease released twice, even after
+    the settings got a new client, never closes that new one."""
 
     class Client:
         closed = False
@@ -77,19 +76,20 @@ def test_one_store_client_per_settings_closed_by_its_last_user(monkeypatch) -> N
             self.closed = True
 
     made: list[Client] = []
-    monkeypatch.setattr(kvo_transport.store, "create_kv_store",
-                        lambda backend, **options: made.append(Client()) or made[-1])
+    clients = StoreClients(create=lambda backend, **options: made.append(Client()) or made[-1])
+    acquire_store = clients.acquire
     config = LayerwiseOffloadConfig(store_master_address="127.0.0.1:1")
     first, second = acquire_store(config, {}), acquire_store(config, {})
     other = acquire_store(config, {"protocol": "rdma"})
-    assert first.store is second.store is made[0] and other.store is made[1]
+    assert first.shared.store is second.shared.store is made[0] and other.shared.store is made[1]
+    assert first.shared.pending_puts is second.shared.pending_puts is not other.shared.pending_puts
     first.release()
     assert not made[0].closed
     second.release()
     assert made[0].closed and not made[1].closed
     again = acquire_store(config, {})
     second.release()  # already released: ignored
-    assert again.store is made[2] and not made[2].closed
+    assert again.shared.store is made[2] and not made[2].closed
     again.release()
     other.release()
     assert made[2].closed and made[1].closed

@@ -22,7 +22,6 @@ from test_layerwise_worker import (
 )
 
 from kvo_core.errors import ConfigError
-from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.worker_side import LayerwiseWorker
 
 PAGE = SPEC.page_size_bytes
@@ -191,7 +190,7 @@ def test_a_lookup_in_the_same_process_sees_the_staged_blocks(staged) -> None:
     worker, store, caches = staged
     store.put_delay = 0.1
     forward(worker, caches, step_meta(save=[(1, "h/x")]), {1: 1.0})
-    PENDING_PUTS.wait(store, 5.0)  # what the scheduler half's prefix lookup does first
+    worker.parts.pending_puts.wait(5.0)  # what the scheduler half's prefix lookup does first
     assert store.exists([KEYS.key("h/x", i) for i in range(6)]) == [True] * 6
 
 
@@ -202,7 +201,7 @@ def test_a_running_put_is_pending_until_it_is_counted(staged) -> None:
     forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 3.0})
     assert worker.staged_put_pending() and worker.stats.saved_bytes == 0
     store.gate.set()
-    PENDING_PUTS.wait(store, 5.0)
+    worker.parts.pending_puts.wait(5.0)
     # Once not pending, the counters already hold the put's bytes (the order the connector
     # relies on: ask first, then read the counters).
     assert not worker.staged_put_pending()
@@ -219,7 +218,7 @@ def test_a_hung_put_stops_counting_as_pending_after_twice_the_deadline(caplog) -
         assert not worker.staged_put_pending()
         assert "staged put has run for more than 0.1 s" in caplog.text
         store.gate.set()
-        PENDING_PUTS.wait(store, 5.0)
+        worker.parts.pending_puts.wait(5.0)
     finally:
         worker.close()
 

@@ -17,14 +17,12 @@ Production code never imports this module.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kvo_tools.pd.sites import patch_on_import
 
 PROBE_DIR = os.environ.get("KVO_TP_PROBE_DIR")
 PROBE_STEP = int(os.environ.get("KVO_TP_PROBE_STEP", "3"))
@@ -91,34 +89,7 @@ def _patch_store(module: Any) -> None:
     module.HostKVStore.attach = cannot_attach
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
-        self.patches = patches
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        patch = self.patches.pop(fullname, None)
-        if patch is None:
-            return None
-        if not self.patches:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            patch(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-_patches: dict[str, Callable[[Any], None]] = {}
 if PROBE_DIR:
-    _patches["kvo_vllm.dsa.offload_manager"] = _patch_manager
+    patch_on_import("kvo_vllm.dsa.offload_manager", _patch_manager)
 if FAIL_ATTACH:
-    _patches["kvo_vllm.sparse.host_store"] = _patch_store
-if _patches:
-    sys.meta_path.insert(0, _Finder(_patches))
+    patch_on_import("kvo_vllm.sparse.host_store", _patch_store)

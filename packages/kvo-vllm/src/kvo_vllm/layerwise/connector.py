@@ -50,11 +50,10 @@ from kvo_vllm.layerwise.layout import LayerLayout, apply_layout, plan_layout
 from kvo_vllm.layerwise.metadata import LayerwiseMetadata
 from kvo_vllm.layerwise.put_progress import PendingPutsTracker, StagedPutsPending
 from kvo_vllm.layerwise.scheduler_side import LayerwiseScheduler, SchedulerStats
-from kvo_vllm.layerwise.staging import PENDING_PUTS
 from kvo_vllm.layerwise.store_client import (
+    STORE_CLIENTS,
     STORE_OPTIONS_KEY,
     StoreLease,
-    acquire_store,
     store_options_from,
 )
 from kvo_vllm.layerwise.worker_side import LayerwiseWorker
@@ -140,9 +139,10 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 f"{hash_block_size}")
         namespace = _store_namespace(vllm_config, self.layout)
         engine_id = str(self._kv_transfer_config.engine_id)
-        self._store_lease: StoreLease | None = acquire_store(self.config,
-                                                             store_options_from(extra))
-        self._store: Any = self._store_lease.store
+        self._store_lease: StoreLease | None = STORE_CLIENTS.acquire(
+            self.config, store_options_from(extra))
+        self._store: Any = self._store_lease.shared.store
+        self._pending_puts = self._store_lease.shared.pending_puts
         self._scheduler: LayerwiseScheduler | None = None
         self._worker: LayerwiseWorker | None = None
         self._metric_deltas = CounterDeltas()
@@ -162,7 +162,7 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
                 layer_deadline_s=self.config.layer_deadline_s,
                 staging_bytes=self.config.save_staging_bytes,
                 flush_nice=self.config.flush_nice,
-                saves_blocks=not replicated or tp_rank == 0)
+                saves_blocks=not replicated or tp_rank == 0, pending_puts=self._pending_puts)
         else:
             self._scheduler = LayerwiseScheduler(
                 block_size=self.layout.block_size,
@@ -267,8 +267,8 @@ class LayerwiseStoreConnector(KvoMetricsReporting, KVConnectorBase_V1):
         return self.scheduler.stats
 
     def _store_exists(self, keys: list[str]) -> list[bool]:
-        """The store's answer once this process's staged puts landed (``staging``)."""
-        PENDING_PUTS.wait(self._store, self.config.layer_deadline_s)
+        """The store's answer once the staged puts through this client landed (``staging``)."""
+        self._pending_puts.wait(self.config.layer_deadline_s)
         return list(self._store.exists(keys))
 
     def _block_ids_of(self, request_id: str) -> list[int]:

@@ -11,6 +11,7 @@ from kvo_vllm.layerwise.failures import FailurePolicy
 from kvo_vllm.layerwise.keys import StoreKeys
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys
 from kvo_vllm.layerwise.slot_rounds import SlotRounds
+from kvo_vllm.layerwise.staging import PendingPuts
 from kvo_vllm.layerwise.worker_stats import StatsRecorder
 
 
@@ -24,3 +25,6 @@ class PipelineParts:
     recorder: StatsRecorder
     deadline_s: float
     """``LayerwiseOffloadConfig.layer_deadline_s``."""
+    pending_puts: PendingPuts
+    """The store client's batched puts in flight (shared with a scheduler half that uses the
+    same client: ``store_client.SharedStore``)."""

@@ -32,7 +32,7 @@ from kvo_vllm.layerwise.errors import PipelineError
 from kvo_vllm.layerwise.pipeline_parts import PipelineParts
 from kvo_vllm.layerwise.poisoned_keys import RemovalStillRunningError
 from kvo_vllm.layerwise.slot_rounds import SaveRound
-from kvo_vllm.layerwise.staging import PENDING_PUTS, SaveStaging
+from kvo_vllm.layerwise.staging import SaveStaging
 from kvo_vllm.layerwise.worker_stats import bytes_by_part
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class StagedSaver(DirectSaver):
         if batch.keys:
             future = self._flusher.submit(self._put_staged, batch)
             self._flush = _Flush(future=future, started=time.monotonic())
-            PENDING_PUTS.add(self._parts.store, future)
+            self._parts.pending_puts.add(future)
 
     def put_pending(self) -> bool:
         """A put running past ``2 x layer_deadline_s`` counts as not pending (logged once):

@@ -116,43 +116,35 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class PendingPuts:
-    """Staged batches not yet in the store, per store client, for readers in this process.
+    """Staged batches not yet in one store client, for readers in this process.
 
-    The scheduler half shares the worker's store client when both run in one process; its
-    prefix lookup waits for these first, so a prompt that just ran is found in the store
-    (without the wait it would be a miss: correct, only slower). Workers in other processes
-    are not waited for.
+    Owned with the client it counts for (``store_client.SharedStore``): the scheduler half
+    shares the worker's store client when both run in one process, and its prefix lookup waits
+    for these first, so a prompt that just ran is found in the store (without the wait it would
+    be a miss: correct, only slower). Workers in other processes are not waited for.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._futures: dict[object, list[Future[Any]]] = {}
-        """Per store client (the object itself: an ``id`` could name a later client)."""
+        self._futures: list[Future[Any]] = []
 
-    def add(self, store: Any, future: Future[Any]) -> None:
+    def add(self, future: Future[Any]) -> None:
         with self._lock:
-            self._futures.setdefault(store, []).append(future)
-        future.add_done_callback(lambda done: self._drop(store, done))
+            self._futures.append(future)
+        future.add_done_callback(self._drop)
 
-    def wait(self, store: Any, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) for ``store``'s pending batches; errors are the
-        saver's to handle (it poisons the keys)."""
+    def wait(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the pending batches; errors are the saver's to
+        handle (it poisons the keys)."""
         with self._lock:
-            futures = list(self._futures.get(store, ()))
+            futures = list(self._futures)
         for future in futures:
             try:
                 future.result(timeout=timeout_s)
             except Exception:  # failed or late: the lookup then sees the store as it is
                 return
 
-    def _drop(self, store: Any, future: Future[Any]) -> None:
+    def _drop(self, future: Future[Any]) -> None:
         with self._lock:
-            futures = self._futures.get(store, [])
-            if future in futures:
-                futures.remove(future)
-            if not futures:
-                self._futures.pop(store, None)
-
-
-PENDING_PUTS = PendingPuts()
-"""The process's staged batches in flight (see ``PendingPuts``)."""
+            if future in self._futures:
+                self._futures.remove(future)

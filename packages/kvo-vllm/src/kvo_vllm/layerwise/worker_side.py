@@ -50,6 +50,7 @@ from kvo_vllm.layerwise.pipeline_parts import PipelineParts
 from kvo_vllm.layerwise.poisoned_keys import PoisonedKeys
 from kvo_vllm.layerwise.savers import DirectSaver, make_saver
 from kvo_vllm.layerwise.slot_rounds import SlotRounds
+from kvo_vllm.layerwise.staging import PendingPuts
 from kvo_vllm.layerwise.worker_stats import LayerwiseStats, StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,11 @@ class LayerwiseWorker:
 
     def __init__(self, *, layout: LayerLayout, keys: StoreKeys, store: Any,
                  prefetch_depth: int, layer_deadline_s: float, staging_bytes: int = 0,
-                 flush_nice: int = 0, saves_blocks: bool = True) -> None:
+                 flush_nice: int = 0, saves_blocks: bool = True,
+                 pending_puts: PendingPuts | None = None) -> None:
+        """``pending_puts``: where this worker's batched puts are counted while they run (the
+        store client's, ``store_client.SharedStore``; a fresh one when the store is this
+        worker's alone)."""
         self.layout = layout
         self.store = store
         self.saves_blocks = saves_blocks
@@ -93,6 +98,7 @@ class LayerwiseWorker:
         self.parts = PipelineParts(
             store=store, keys=keys, rounds=SlotRounds(self.gates, layer_deadline_s),
             poisoned=self.poisoned, recorder=recorder, deadline_s=layer_deadline_s,
+            pending_puts=PendingPuts() if pending_puts is None else pending_puts,
             failures=FailurePolicy(poisoned=self.poisoned, recorder=recorder, keys=keys,
                                    deadline_s=layer_deadline_s))
         self._registered: Registered | None = None

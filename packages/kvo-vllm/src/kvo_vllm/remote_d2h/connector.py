@@ -23,7 +23,7 @@ request, and the kvo proxy pins later requests to a DP rank (``kvo_vllm.proxy.fl
 that vLLM runs as independent engines (a dense model) are refused (``dp_rank``). Each worker's
 ``stats_file`` is the path plus ``.dp<rank>`` (DP > 1), then ``.tp<rank>`` (TP rank > 0).
 
-The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file`` and ``engine_wrapper``
+The extra config is kvo_core's ``RemoteD2HConfig`` plus ``stats_file``
 (``kvo_vllm.remote_d2h.options``). Which side a request takes is decided by
 its ``kv_transfer_params`` (``kvo_vllm.remote_d2h.params``), which the kvo proxy sets:
 ``do_remote_decode`` on prefill, ``do_remote_prefill`` on decode.
@@ -176,10 +176,7 @@ class RemoteD2HConnector(KvoMetricsReporting, KVConnectorBase_V1):
             if self.is_consumer:
                 self.puller = DecodePuller(config=self.options.config, tp_rank=tp_rank,
                                            tp_size=tp_size, dp_rank=dp.rank, dp_size=dp.size,
-                                           device_index=device_index,
-                                           engine_wrapper=(
-                                               None if self.options.engine_wrapper is None
-                                               else self.options.engine_wrapper.load()))
+                                           device_index=device_index)
         self._stats = StatsFile(rank_stats_path(rank_stats_file(self.options.stats_file, dp),
                                                 _tp_rank())
                                 if role == KVConnectorRole.WORKER else None, self.snapshot)

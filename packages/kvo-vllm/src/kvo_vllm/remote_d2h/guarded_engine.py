@@ -3,8 +3,9 @@
 The counts are the demo's "per-layer transfer time" and "bytes pulled per part" (main KV
 ``kv``, indexer ``idx``: kvo_core.buffer_regions' part names). Revocation lives in the transport
 (kvo_transport.destinations, owned by the DecodeReceiver): no lock is held across a read here,
-so nothing waits behind a stalled transfer. An operator-chosen ``engine_wrapper`` (options.py)
-sits between this and the real engine; kvo ships none (the tests bring their fault injection).
+so nothing waits behind a stalled transfer. A ``DecodePuller`` built with an ``engine_wrapper``
+reads through it between this and the real engine: the tests' fault injection, plugged in from
+outside (kvo_tools.pd.sites); no config names one.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ prefill's I/O and store-save threads report to the slot gates its forward waits 
 that wants the GIL while another runs Python waits up to the interpreter's switch interval
 (5 ms by default) before the holder is asked to let go, and vLLM's forward of a small model and
 its idle step loop are mostly Python. So every wake-up on the layer round trip can cost up to
-5 ms. A shorter interval made the decode start its reads sooner (``tools/bench/_pd_timeline.py``)
-but did not pay end to end (``tools/bench/_pd_switch_ab.py``; numbers in docs/benchmarks.md),
+5 ms. A shorter interval made the decode start its reads sooner (``kvo_tools.bench._pd_timeline``)
+but did not pay end to end (``kvo_tools.bench._pd_switch_ab``; numbers in docs/benchmarks.md),
 so it is opt-in (``gil_switch_interval_s``, default null). The interval is process-wide: it is only
 ever shortened here, never lengthened past what the process uses.
 """

@@ -1,0 +1,1 @@
+"""Benchmarks (``python -m kvo_tools.bench.NAME``; ``nox -s bench -- NAME``)."""

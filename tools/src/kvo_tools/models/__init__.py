@@ -1,0 +1,1 @@
+"""Tiny models with the real architectures, built locally for tests and benchmarks."""
