@@ -114,8 +114,9 @@ SPARSE_OFFLOAD_METRICS = _catalog(
     Metric("sparse_offload_full_reload_bytes", "counter",
            "Decode offload: bytes a reload of the decode rows' whole history would have moved."),
     Metric("sparse_offload_residency_seconds", "counter",
-           "Decode offload: seconds in the residency update and the miss copies (fused: in "
-           "the two fused ops, indexer scoring and attention included)."),
+           "Decode offload: seconds in the gather of the selected rows: residency update, "
+           "miss copies, identity-slot fills and their index work (fused: in the two fused "
+           "ops, indexer scoring and attention included)."),
     Metric("sparse_offload_pool_rows_used", "gauge",
            "Decode offload: KV rows the last step's requests hold in the host pool."),
 )

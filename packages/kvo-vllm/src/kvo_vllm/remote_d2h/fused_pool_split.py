@@ -14,7 +14,7 @@ arrays as it reads rows it wrote itself.
 Why not two descriptors per row straight into the arrays: that is 128 descriptors per block of
 64 rows instead of one; they cost many times the block read, and a long chunk's batch exceeds
 what Mooncake's TCP batch read takes, while the split costs one memory pass
-(kvo_tools.bench.fused_pull; the numbers: docs/benchmarks.md).
+(kvo_tools.bench._fused_pull; the numbers: docs/benchmarks.md).
 
 Safety (the transport's rules hold unchanged, plus the staging slots):
 

@@ -15,7 +15,7 @@ and Mooncake over loopback TCP), three ways:
 Medians over repetitions, per layer. Mooncake listens on all interfaces: run inside a
 loopback-only network namespace (``/work/bin/kvo-py`` or ``nox -s bench`` provide one).
 
-    python -m kvo_tools.bench.fused_pull [--blocks 16] [--block-size 64] [--reps 7] [--json PATH]
+    python -m kvo_tools.bench._fused_pull [--blocks 16] [--block-size 64] [--reps 7] [--json PATH]
 """
 
 from __future__ import annotations
