@@ -45,9 +45,9 @@ NEEDS_NETNS = pytest.mark.skipif(
 HEAVY_TP2_PD = pytest.mark.skipif(
     os.environ.get("KVO_E2E_HEAVY") != "1",
     reason="P/D from a TP 2 prefill into a TP 2 decode (4 vLLM workers) runs on demand only "
-           "(KVO_E2E_HEAVY=1): on 2 CPUs most of its pulls miss their 60 s layer deadline (a "
-           "stall with both decode TP workers blocked, open in issue 34), so the requests are "
-           "recomputed and the test cannot show a clean pull")
+           "(KVO_E2E_HEAVY=1): a decode read of the TP 2 prefill's memory sometimes does not "
+           "return until the prefill's layer deadline fires (open in issue 34), so requests are "
+           "recomputed and the test cannot show clean pulls reliably")
 
 
 @contextlib.contextmanager
