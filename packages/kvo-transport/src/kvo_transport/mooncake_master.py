@@ -41,7 +41,12 @@ def find_master_binary() -> str:
 
 
 _handed_out: set[int] = set()
-_LOWEST_PICKED_PORT = 10000
+_LOWEST_PICKED_PORT = 20000
+"""Above the ports Mooncake picks for itself at random (0.3.13: its store client's segment port
+from about 12300-14300, MC_STORE_CLIENT_MIN/MAX_PORT; its transfer engine's handshake and TCP
+listeners from 15000-17000): a port handed out here for a server starting beside a Mooncake
+client is not one that client takes first (seen in CI: a decode's control port taken by a
+prefill's store client)."""
 
 
 def _ephemeral_range() -> tuple[int, int]:
