@@ -42,12 +42,14 @@ NEEDS_NETNS = pytest.mark.skipif(
            "nox -s e2e does this)")
 """``pytestmark`` of a file whose tests start Mooncake."""
 
+RUN_TP2_PREFILL_PD = os.environ.get("KVO_E2E_HEAVY") == "1"
+"""Whether P/D runs with a TP 2 prefill start (on demand: ``KVO_E2E_HEAVY=1``)."""
 HEAVY_TP2_PD = pytest.mark.skipif(
-    os.environ.get("KVO_E2E_HEAVY") != "1",
-    reason="P/D from a TP 2 prefill into a TP 2 decode (4 vLLM workers) runs on demand only "
-           "(KVO_E2E_HEAVY=1): a decode read of the TP 2 prefill's memory sometimes does not "
-           "return until the prefill's layer deadline fires (open in issue 34), so requests are "
-           "recomputed and the test cannot show clean pulls reliably")
+    not RUN_TP2_PREFILL_PD,
+    reason="P/D from a TP 2 prefill runs on demand only (KVO_E2E_HEAVY=1): a decode read of "
+           "the TP 2 prefill's memory sometimes does not return until the prefill's layer "
+           "deadline fires (open in issue 34), so requests are recomputed and the test cannot "
+           "show clean pulls reliably")
 
 
 @contextlib.contextmanager

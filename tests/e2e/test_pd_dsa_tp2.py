@@ -25,7 +25,7 @@ from typing import Any
 import _engines as e2e
 import pytest
 
-pytestmark = e2e.NEEDS_NETNS
+pytestmark = [e2e.NEEDS_NETNS, e2e.HEAVY_TP2_PD]
 
 NUM_LAYERS = 4
 INDEX_TOPK = 32
