@@ -326,11 +326,11 @@ class HeldRemovals:
                 self._put_done.wait_for(lambda: self._puts > seen, timeout=self.HOLD_S)
             self._remove(keys)
 
-        def put_from(keys: list[str], *args: Any) -> None:
+        def put_from(keys: list[str], *args: Any, **kwargs: Any) -> None:
             if self.watch_resaves:
                 self.resaved_poisoned |= self.worker.poisoned.poisoned_among(keys)
             try:
-                self._put(keys, *args)
+                self._put(keys, *args, **kwargs)
             finally:
                 with self._put_done:
                     self._puts += 1

@@ -194,6 +194,41 @@ def test_bounded_and_direct_calls_move_the_same_bytes(master: MooncakeMaster,
         store.close()
 
 
+@pytest.mark.parametrize("call_timeout_s", [0, 5.0], ids=["direct", "bounded"])
+def test_a_put_stores_the_copy_settle_saw_and_leaves_out_the_keys_it_names(
+        master: MooncakeMaster, buf: torch.Tensor, call_timeout_s: float) -> None:
+    """What the layerwise saver relies on to never publish torn bytes: the value stored is
+    the copy taken before ``settle`` ran, however the ranges change after (even for an
+    unbounded call, which otherwise reads the caller's memory during the transfer); the keys
+    ``settle`` names are not stored at all."""
+    store = create_kv_store("mooncake", master_address=master.address,
+                            call_timeout_s=call_timeout_s)
+    try:
+        base = buf.data_ptr()
+        store.register(base, buf.numel())
+        keys = [f"settle-{call_timeout_s}-{i}" for i in range(3)]
+        for i in range(3):
+            block(buf, i).copy_(pattern(30 + i, BLOCK))
+
+        def settle() -> list[str]:
+            for i in range(3):  # the ranges are overwritten once the copy is taken
+                block(buf, i).fill_(0xEE)
+            return [keys[1]]
+
+        store.put_from(keys, [slot(buf, i) for i in range(3)], [BLOCK] * 3, settle=settle)
+        assert store.exists(keys) == [True, False, True]
+        assert store.get_into([keys[0], keys[2]], [slot(buf, 10), slot(buf, 12)],
+                              [BLOCK] * 2) == [True, True]
+        assert torch.equal(block(buf, 10), pattern(30, BLOCK))
+        assert torch.equal(block(buf, 12), pattern(32, BLOCK))
+        called: list[bool] = []
+        store.put_from([], [], [], settle=lambda: called.append(True) or [])
+        assert called == [True]  # an empty put still settles
+        store.remove([keys[0], keys[2]])
+    finally:
+        store.close()
+
+
 def test_closed_store_refuses_calls(master: MooncakeMaster) -> None:
     client = create_kv_store("mooncake", master_address=master.address)
     client.close()

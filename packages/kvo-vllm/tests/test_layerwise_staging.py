@@ -35,11 +35,11 @@ class CountingStore(MemoryStore):
         self.put_calls: list[int] = []
         self.gate: threading.Event | None = None
 
-    def put_from(self, keys, addrs, lengths) -> None:
+    def put_from(self, keys, addrs, lengths, *, settle=None) -> None:
         if self.gate is not None:
             assert self.gate.wait(10)
         self.put_calls.append(len(keys))
-        super().put_from(keys, addrs, lengths)
+        super().put_from(keys, addrs, lengths, settle=settle)
 
 
 def make_worker(staging_bytes: int) -> tuple[LayerwiseWorker, CountingStore, dict]:
@@ -350,8 +350,12 @@ def test_the_batched_put_runs_in_a_thread_of_the_configured_niceness(nice: int) 
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         seen: list[int] = []
-        store.put_from = lambda keys, addrs, lengths: seen.append(  # type: ignore[method-assign]
-            os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+        def put_from(keys, addrs, lengths, *, settle) -> None:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            settle()
+
+        store.put_from = put_from  # type: ignore[method-assign]
         forward(worker, caches, step_meta(save=[(1, "b1")]), {1: 1.0})
         worker.wait_staged_puts()
         assert seen == [min(base + nice, 19)]

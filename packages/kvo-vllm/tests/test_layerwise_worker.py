@@ -59,14 +59,19 @@ class MemoryStore:
     def unregister(self, ptr: int) -> None:
         pass
 
-    def put_from(self, keys, addrs, lengths) -> None:
+    def put_from(self, keys, addrs, lengths, *, settle=None) -> None:
+        """Like kvo's stores: the ranges are read, then ``settle`` names keys to leave out."""
         time.sleep(self.put_delay)
         if any(k in self.fail_puts_for for k in keys):
             raise RuntimeError("put failed")
+        read = [ctypes.string_at(addr, length) for addr, length in zip(addrs, lengths,
+                                                                        strict=True)]
+        left_out = set(settle()) if settle is not None else set()
         with self.lock:
-            for key, addr, length in zip(keys, addrs, lengths, strict=True):
-                self.values[key] = ctypes.string_at(addr, length)
-                self.events.append(("put", key, time.monotonic()))
+            for key, value in zip(keys, read, strict=True):
+                if key not in left_out:
+                    self.values[key] = value
+                    self.events.append(("put", key, time.monotonic()))
 
     def get_into(self, keys, addrs, lengths) -> list[bool]:
         found = []

@@ -12,7 +12,9 @@ in a bounce buffer (registered with the client, owned here) and is copied to the
 ranges only when it finished in time; a put copies the caller's ranges into a bounce buffer
 before the call, so whatever it stores, however late, is the bytes the caller asked to store. A
 bounce buffer whose call was abandoned goes back to the pool only once that call returned.
-The price is one memory copy per call; ``timeout_s`` 0 calls the client directly (unbounded).
+The price is one memory copy per call; ``timeout_s`` 0 calls the client directly (unbounded),
+except for a put whose caller wants to know when its ranges have been read (``put_keyed``'s
+``settle``, ``KVStore.put_from``): that one is still made from a copy.
 
 The pool keeps at most ``max_pooled_bytes`` of free bounce memory: a buffer given back beyond
 that (after a burst of concurrent calls, or the late return of calls abandoned while a master
@@ -33,7 +35,7 @@ import mmap
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -148,17 +150,57 @@ class BoundedCalls:
         return codes
 
     def put_from(self, what: str, run: Callable[[list[int]], _R], addrs: Sequence[int],
-                 lengths: Sequence[int]) -> _R:
-        """``run(sources)`` stores from bounce memory holding a copy of ``addrs``' ranges."""
-        if not self.bounded:
+                 lengths: Sequence[int], *, copied: Callable[[], None] | None = None) -> _R:
+        """``run(sources)`` stores from bounce memory holding a copy of ``addrs``' ranges.
+
+        ``copied`` runs on the caller's thread once the copy is taken, before ``run`` starts;
+        when it is given the ranges are copied even for an unbounded call (``timeout_s`` 0),
+        so that what ``run`` stores is the copy ``copied`` saw taken, never the caller's
+        memory read later."""
+        if not self.bounded and copied is None:
             return run(list(addrs))
         bounce = self._take(sum(lengths))
-        places = _offsets(bounce.ptr, lengths)
-        for source, target, length in zip(addrs, places, lengths, strict=True):
-            ctypes.memmove(target, source, length)
+        try:
+            places = _offsets(bounce.ptr, lengths)
+            for source, target, length in zip(addrs, places, lengths, strict=True):
+                ctypes.memmove(target, source, length)
+            if copied is not None:
+                copied()
+        except BaseException:
+            self._give_back(bounce)
+            raise
+        if not self.bounded:
+            try:
+                return run(places)
+            finally:
+                self._give_back(bounce)
         result = self._run(what, lambda: run(places), bounce)
         self._give_back(bounce)
         return result
+
+    def put_keyed(self, what: str,
+                  put: Callable[[list[str], list[int], list[int]], Sequence[int]],
+                  keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int],
+                  settle: Callable[[], Collection[str]] | None = None) -> dict[str, int]:
+        """``put(keys, sources, lengths)`` (one return code per key) from a copy of the
+        ranges; the code of each key stored. ``settle`` (``KVStore.put_from``) runs once the
+        copy is taken: the keys it names are left out of ``put``."""
+        left_out: set[str] = set()
+
+        def copied() -> None:
+            if settle is not None:
+                left_out.update(settle())
+
+        def run(sources: list[int]) -> dict[str, int]:
+            kept = [i for i, key in enumerate(keys) if key not in left_out]
+            if not kept:
+                return {}
+            codes = put([keys[i] for i in kept], [sources[i] for i in kept],
+                        [lengths[i] for i in kept])
+            return {keys[i]: code for i, code in zip(kept, codes, strict=True)}
+
+        return self.put_from(what, run, addrs, lengths,
+                             copied=copied if settle is not None else None)
 
     # -- running -------------------------------------------------------------------------------
 

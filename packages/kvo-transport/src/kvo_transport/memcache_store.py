@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -341,20 +341,21 @@ class MemcacheKVStore(BufferStore):
 
     @guarded
     def put_from(
-        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
+        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int], *,
+        settle: Callable[[], Collection[str]] | None = None,
     ) -> None:
         store = self._client()
         batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=True)
         if not batch.keys:
+            if settle is not None:
+                settle()
             return
         present = [k for k, here in zip(batch.keys, self.exists(batch.keys), strict=True) if here]
         if present:
             self.remove(present)
-        keys, lengths = batch.keys, batch.lengths
-        codes = self._calls.put_from(
-            f"put of {len(keys)} keys",
-            lambda sources: store.batch_put_from(keys, sources, lengths), batch.addrs, lengths)
-        failed = {k: c for k, c in zip(batch.keys, codes, strict=True) if c != 0}
+        codes = self._calls.put_keyed(f"put of {len(batch.keys)} keys", store.batch_put_from,
+                                      batch.keys, batch.addrs, batch.lengths, settle)
+        failed = {k: c for k, c in codes.items() if c != 0}
         if failed:
             raise StoreError(f"Memcache put failed for keys (code per key): {failed}")
 

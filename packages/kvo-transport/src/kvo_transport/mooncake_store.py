@@ -25,7 +25,7 @@ import functools
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -172,21 +172,22 @@ class MooncakeKVStore(BufferStore):
 
     @guarded
     def put_from(
-        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
+        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int], *,
+        settle: Callable[[], Collection[str]] | None = None,
     ) -> None:
         store = self._client()
         batch = check_keyed_batch(self._registry, keys, addrs, lengths, unique=True)
         if not batch.keys:
+            if settle is not None:
+                settle()
             return
-        keys, lengths = batch.keys, batch.lengths
-        codes = self._calls.put_from(
-            f"put of {len(keys)} keys",
-            lambda sources: store.batch_upsert_from(keys, sources, lengths),
-            batch.addrs, lengths)
-        failed = {k: error_name(c) for k, c in zip(batch.keys, codes, strict=True) if c != 0}
+        codes = self._calls.put_keyed(f"put of {len(batch.keys)} keys",
+                                      store.batch_upsert_from, batch.keys, batch.addrs,
+                                      batch.lengths, settle)
+        failed = {k: error_name(c) for k, c in codes.items() if c != 0}
         if failed:
-            raise _error(codes)(
-                f"Mooncake put of {len(failed)}/{len(batch.keys)} keys failed: {failed}"
+            raise _error(list(codes.values()))(
+                f"Mooncake put of {len(failed)}/{len(codes)} keys failed: {failed}"
             )
 
     @guarded

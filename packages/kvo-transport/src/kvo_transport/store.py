@@ -7,7 +7,7 @@ them. Backends are imported only when selected.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from kvo_core.config import STORE_BACKENDS  # one owner: kvo-core's config validates it too
@@ -31,11 +31,15 @@ class KVStore(Protocol):
         ...
 
     def put_from(
-        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int]
+        self, keys: Sequence[str], addrs: Sequence[int], lengths: Sequence[int], *,
+        settle: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """Store each range under its key, replacing an existing value (upsert).
 
-        Raises StoreError naming the keys that failed.
+        ``settle``, when given, is called once every range has been read (copied aside),
+        before any value is published; the keys it returns are left out of the put (their
+        range may have changed while it was read). A put that raises before calling it stored
+        nothing. Raises StoreError naming the keys that failed.
         """
         ...
 

@@ -2,7 +2,7 @@
 
 A key is poisoned when the value under it may be wrong (a dropped or failed save): this worker
 stops loading it at once, and the key is removed from the store in the background so that no
-prefix lookup (``exists``) or other engine finds it. A removal can take a while (Mooncake's
+prefix lookup (``exists``) finds it. A removal can take a while (Mooncake's
 waits out a read lease, seconds), and a later step may save the same key again meanwhile: the
 block is computed afresh, e.g. by the next request with the same prefix. Were the removal to
 land after that save, it would delete the new, right value while the key no longer counts as
@@ -13,6 +13,10 @@ So store mutations of one key are ordered as they were asked for: a save cancels
 removal if it has not started, and waits for it if it is running; a removal asked for while a
 save of the key runs starts after that save. A save un-poisons only keys nobody poisoned while
 it ran.
+
+A removal is not what keeps other engines sharing the store from a poisoned key's value:
+Mooncake's may give up on a read lease, and this engine may die first. No save publishes
+bytes that may be wrong in the first place (``savers``).
 """
 
 from __future__ import annotations

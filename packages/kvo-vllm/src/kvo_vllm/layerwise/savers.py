@@ -14,6 +14,23 @@ the caches are registered (``make_saver``); both offer ``DirectSaver``'s methods
 
 Every put is ordered against removals of its keys (``PoisonedKeys.begin_save``); a failed or
 torn save poisons its keys (``failures``).
+
+No put ever publishes bytes its source may have lost while they were read. A slot is given
+up on when a deadline passes (the next layer then writes it), so a put reading a buffer can
+read another layer's KV. Poisoning such keys and removing them does not keep them from other
+engines sharing the store: the value is readable from the put's end until the removal, and
+Mooncake's removal gives up while another engine holds a read lease (10 s by default, longer
+than ``remove_timeout_s``), or never runs if this engine dies first. So the check comes before
+the value exists, not after: every put is made from a copy of its ranges (the store's bounce
+memory, ``KVStore.put_from``'s ``settle``), and once the copy is taken the slot's round ends;
+a round given up on meanwhile leaves its keys out of the put. A staged layer's copy in the
+staging area is checked the same way (``StagedSaver._stage_layer``). Mooncake publishes a key
+only when its whole value has arrived (PutEnd; an in-place upsert hides the key until then,
+a revoked or abandoned one never shows it), so what another engine can read under a key is
+a value kvo confirmed whole. A poisoned key left in the store therefore holds bytes of a
+confirmed save (for a request-private key possibly an earlier state of its partial block,
+which no other engine names): poisoning keeps this engine from trusting the key, and the
+removal only keeps prefix lookups from finding it.
 """
 
 from __future__ import annotations
@@ -39,31 +56,45 @@ logger = logging.getLogger(__name__)
 
 
 def _guarded_put(parts: PipelineParts, keys: list[str], addrs: list[int], sizes: list[int],
-                 *, confirm: Callable[[], bool],
-                 on_error: Callable[[Exception], None]) -> bool | None:
-    """Put ``keys`` ordered against their removals; True when stored and ``confirm``ed, False
-    when ``confirm`` says the source may have changed during the put (torn), None when it
-    failed (``on_error`` ran, before the removals waiting on the put resume)."""
+                 *, settle: Callable[[], list[str]], on_torn: Callable[[list[str]], None],
+                 on_error: Callable[[Exception], None]) -> list[str] | None:
+    """Put ``keys`` ordered against their removals, each from a copy of its range: once the
+    copy is taken, ``settle`` names the keys whose range may have changed while it was read
+    (module docstring); those are left out of the put and handed to ``on_torn`` before the
+    save counts as stored. The keys left out, or None when the put failed (``on_error`` ran,
+    before the removals waiting on the put resume)."""
     try:
         ticket = parts.poisoned.begin_save(keys, parts.deadline_s)
     except RemovalStillRunningError as error:
         on_error(error)
         return None
+    torn: list[str] = []
+    settled = False
+
+    def settle_once() -> list[str]:
+        nonlocal settled
+        settled = True
+        torn.extend(settle())
+        return torn
+
     stored = False
     try:
         if keys:
-            parts.store.put_from(keys, addrs, sizes)
-        stored = confirm()
+            parts.store.put_from(keys, addrs, sizes, settle=settle_once)
+            if not settled:
+                raise PipelineError(f"{type(parts.store).__name__}.put_from stored without "
+                                    f"calling settle: its values may hold torn bytes")
+        else:
+            settle_once()
+        if torn:
+            on_torn(torn)  # poisoned anew: ``end_save`` leaves them poisoned
+        stored = True
     except Exception as error:
         on_error(error)
         return None
     finally:
         parts.poisoned.end_save(ticket, stored=stored)
-    return stored
-
-
-def _confirmed() -> bool:
-    return True
+    return torn
 
 
 class DirectSaver:
@@ -110,17 +141,29 @@ class DirectSaver:
         started = time.perf_counter()
         keys = blocks.keys_in(buffer)
         addrs, sizes = buffer.locations(blocks.refs)
+        ended = False
+
+        def settle() -> list[str]:
+            """The put has its copy: the slot is free. All keys are left out when the slot
+            was given up on meanwhile (a deadline: the copy may hold another layer's KV)."""
+            nonlocal ended
+            ended = True
+            return [] if parts.rounds.done(save) else keys
 
         def failed(error: Exception) -> None:
             parts.failures.save_failed(buffer.layer.name, keys, len(blocks), error)
-            parts.rounds.failed(save, error)
+            if not ended:
+                parts.rounds.failed(save, error)
 
-        # False: the slot was given up on (deadline) and may have been overwritten mid-save.
-        stored = _guarded_put(parts, keys, addrs, sizes,
-                              confirm=lambda: parts.rounds.done(save), on_error=failed)
-        if stored is False:
-            parts.failures.poison(keys)
-        elif stored:
+        def torn(left_out: list[str]) -> None:
+            logger.error("kvo layerwise: layer %s: its slot was given up on while the save "
+                         "read it (deadline); %d keys not stored, poisoned", buffer.layer.name,
+                         len(left_out))
+            parts.failures.poison(left_out)
+
+        left_out = _guarded_put(parts, keys, addrs, sizes, settle=settle, on_torn=torn,
+                                on_error=failed)
+        if left_out == []:
             parts.recorder.saved(len(blocks), bytes_by_part(buffer, len(blocks)),
                                  save_seconds=time.perf_counter() - started)
 
@@ -373,31 +416,47 @@ class StagedSaver(DirectSaver):
     def _put_staged(self, batch: StagedBatch) -> bool:
         """One batched put of a step's staged blocks; True when it failed or some of its keys
         were poisoned."""
-        try:
-            stored = self._put_batch(batch)
-        finally:
-            torn = self._release_held(batch)
-        if torn and stored:
-            logger.error("kvo layerwise: %d keys were put from a buffer given up on during the "
-                         "put (deadline); removing them", len(torn))
-            self._parts.failures.poison_after_step(torn)
-        return bool(torn) or not stored
+        released = False
 
-    def _put_batch(self, batch: StagedBatch) -> bool:
-        """The batched put itself; whether it stored (else its keys are poisoned)."""
+        def settle() -> list[str]:
+            """The put has its copy: the held slots are free; the keys of those given up
+            on meanwhile are left out."""
+            nonlocal released
+            released = True
+            return self._release_held(batch)
+
+        try:
+            left_out = self._put_batch(batch, settle)
+        finally:
+            if not released:  # the put failed before it read anything: its keys are poisoned
+                self._release_held(batch)
+        return left_out != []
+
+    def _put_batch(self, batch: StagedBatch, settle: Callable[[], list[str]]
+                   ) -> list[str] | None:
+        """The batched put itself: the keys it left out (poisoned), or None when it failed
+        (its keys are poisoned)."""
         parts = self._parts
         started = time.perf_counter()
-        stored = _guarded_put(parts, batch.keys, batch.addrs, batch.sizes, confirm=_confirmed,
-                              on_error=lambda error: parts.failures.staged_put_failed(
-                                  batch.keys, batch.blocks, error))
-        if stored:
+
+        def torn(left_out: list[str]) -> None:
+            logger.error("kvo layerwise: %d keys were to be put from a buffer given up on "
+                         "before the put copied it (deadline); not stored, poisoned",
+                         len(left_out))
+            parts.failures.poison_after_step(left_out)
+
+        left_out = _guarded_put(parts, batch.keys, batch.addrs, batch.sizes, settle=settle,
+                                on_torn=torn,
+                                on_error=lambda error: parts.failures.staged_put_failed(
+                                    batch.keys, batch.blocks, error))
+        if left_out is not None:
             parts.recorder.saved(batch.blocks, batch.bytes_by_part, staged_puts=1,
                                  flush_seconds=time.perf_counter() - started)
-        return bool(stored)
+        return left_out
 
     def _release_held(self, batch: StagedBatch) -> list[str]:
         """End the rounds of the buffers the put read directly; the keys of those given up on
-        meanwhile (a deadline passed: the buffer may have been overwritten during the put)."""
+        meanwhile (a deadline passed: the buffer may have been overwritten while read)."""
         torn: list[str] = []
         for held in batch.held:
             if not self._parts.rounds.done(held.round):
