@@ -1,14 +1,15 @@
 """A save whose source was overwritten while read never reaches another engine.
 
 Two layerwise workers (engines A and B) share one real Mooncake store (real master, one real
-store client each). B loads a block A saved, which gives B a read lease on its keys (10 s, the
-master's production default). A saves the block again, and this time a slot is given up on
+store client each). B loads a block A saved, which gives B a read lease on its keys (3 s here;
+mooncake_master's default is 10 s). A saves the block again, and this time a slot is given up on
 while the put waits (a layer deadline passes; a later layer overwrites the buffer): the bytes
 A's put would read are another layer's. A poisons those keys and tries to remove them, but
 B's lease makes the removal give up (``remove_timeout_s`` 0.5 s here, 5 s by default: both
 shorter than the lease). Before the fix, B then loaded the wrong bytes A had stored; now A's
 put leaves such keys out (``savers``: a value is published only from a copy its source was
-confirmed unchanged after), so B loads the block's right bytes.
+confirmed unchanged after), so B loads the block's right bytes. A retries the removal once
+the lease is over (``poisoned_keys``).
 
 The only stand-in is ``GatedStore``: it holds A's puts on an event (a slow store) and passes
 every call to the real client.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,8 +37,8 @@ pytestmark = pytest.mark.skipif(
            "network namespace (nox -s vllm does this)")
 
 WAIT_S = 30.0
-LEASE_TTL_MS = 10_000
-"""mooncake_master's own default read lease: longer than the removal waits."""
+LEASE_TTL_MS = 3_000
+"""The master's read lease: longer than A's removal waits (mooncake_master's default: 10 s)."""
 DEADLINE_S = 0.3
 """Engine A's layer deadline: a slot whose save is held longer is given up on."""
 
@@ -122,6 +124,16 @@ def test_bytes_of_a_slot_given_up_during_a_direct_save_never_reach_another_engin
         assert torch.all(value == right_bytes(layer)), (
             f"engine B loaded layer {layer} bytes {value.flatten()[0].item()} that engine A "
             f"poisoned (right: {right_bytes(layer)})")
+    # Once B's lease is over, A's retried removal takes the poisoned keys out. (Polled on
+    # A's side: Mooncake's exists() renews a key's read lease as a get does.)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        a.poisoned.settle(WAIT_S)  # no removal running: none waits, or one waits its retry
+        if not a.poisoned.retries_waiting():
+            break
+        time.sleep(0.1)
+    assert not any(b.store.exists(sorted(poisoned)))
+    assert a.stats.removal_retries >= 1 and a.stats.removals_given_up == 0
 
 
 @pytest.mark.parametrize("engines", [1 << 20], ids=["staged-saves"], indirect=True)

@@ -8,6 +8,7 @@ while it waits out a read lease.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -118,3 +119,81 @@ def test_a_save_gives_up_on_a_removal_that_runs_too_long(rig) -> None:
     # Nothing was taken by the refused save: a later one runs normally.
     store.save(poisoned, ["k", "free"], "fresh")
     assert store.values == {"k": "fresh", "free": "fresh"}
+
+
+class LeasedStore(HeldStore):
+    """Its removal fails ``refusals`` more times (like Mooncake's giving up on a read lease)."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.release.set()
+        self.refusals = refusals
+        self.tries = 0
+
+    def remove(self, keys: list[str]) -> None:
+        self.tries += 1
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise RuntimeError(f"keys {keys} still hold a read lease")
+        super().remove(keys)
+
+
+def wait_until(check, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_failed_removal_is_retried_until_it_succeeds_and_counted() -> None:
+    store = LeasedStore(refusals=2)
+    counted: list[dict] = []
+    poisoned = PoisonedKeys(store.remove, retry_delays_s=(0.05, 0.05, 0.05),
+                            count=lambda **amounts: counted.append(amounts))
+    try:
+        store.values["k"] = "torn?"
+        poisoned.poison(["k"])
+        wait_until(lambda: "k" not in store.values)
+        assert store.tries == 3 and poisoned.removal_retries == 2
+        assert counted == [{"removal_retries": 1}] * 2
+        assert poisoned.retries_waiting() == set() and poisoned.removals_given_up == 0
+        assert poisoned.poisoned_among(["k"]) == {"k"}  # removed, still never loaded
+    finally:
+        poisoned.close()
+
+
+def test_a_save_cancels_the_retry_of_a_failed_removal() -> None:
+    """Else the retry would delete the fresh value the save stored."""
+    store = LeasedStore(refusals=1)
+    poisoned = PoisonedKeys(store.remove, retry_delays_s=(0.3,))
+    try:
+        poisoned.poison(["k"])
+        wait_until(lambda: poisoned.retries_waiting() == {"k"})
+        store.save(poisoned, ["k"], "fresh")
+        assert poisoned.retries_waiting() == set()
+        time.sleep(0.5)  # past the retry's time
+        poisoned.settle()
+        assert store.values == {"k": "fresh"} and store.tries == 1
+        assert poisoned.removal_retries == 0 and poisoned.cancelled_removals == 1
+        assert poisoned.poisoned_among(["k"]) == set()
+    finally:
+        poisoned.close()
+
+
+def test_a_removal_that_fails_every_retry_is_given_up_logged_and_counted(caplog) -> None:
+    store = LeasedStore(refusals=100)
+    counted: list[dict] = []
+    poisoned = PoisonedKeys(store.remove, retry_delays_s=(0.02, 0.02),
+                            count=lambda **amounts: counted.append(amounts))
+    try:
+        store.values["k"] = "torn?"
+        with caplog.at_level("INFO", logger="kvo_vllm.layerwise.poisoned_keys"):
+            poisoned.poison(["k"])
+            wait_until(lambda: poisoned.removals_given_up == 1)
+        assert store.tries == 3 and store.values == {"k": "torn?"}
+        assert counted == [{"removal_retries": 1}] * 2 + [{"removals_given_up": 1}]
+        assert poisoned.poisoned_among(["k"]) == {"k"}
+        assert "retry 1 of 2" in caplog.text and "failed 3 times" in caplog.text
+        assert "they stay in the store" in caplog.text
+    finally:
+        poisoned.close()

@@ -1,7 +1,8 @@
 """The ``mooncake`` KVStore backend: a Mooncake Store client (MooncakeDistributedStore).
 
 Mooncake's plain put keeps an existing key's old value, so put_from uses the upsert call.
-Mooncake grants a short read lease on put/get; remove() waits out a lease instead of forcing,
+Mooncake grants a short read lease on put, get and exists (an existence query renews it too:
+measured); remove() waits out a lease instead of forcing,
 because forcing could pull a value from under a concurrent reader. A remove that gives up on a
 lease (``remove_timeout_s``, shorter than the master's lease TTL) raises StoreLeaseHeldError,
 which the circuit breaker does not count as an outage: the master answered every try (each try

@@ -14,6 +14,11 @@ removal if it has not started, and waits for it if it is running; a removal aske
 save of the key runs starts after that save. A save un-poisons only keys nobody poisoned while
 it ran.
 
+A removal that fails (Mooncake's gives up while another engine holds a read lease) is tried
+again later, a bounded number of times (``RETRY_DELAYS_S``; each retry and each removal given
+up on is logged and counted), unless a save of the key comes first: a save cancels a waiting
+retry as it cancels a removal not started.
+
 A removal is not what keeps other engines sharing the store from a poisoned key's value:
 Mooncake's may give up on a read lease, and this engine may die first. No save publishes
 bytes that may be wrong in the first place (``savers``).
@@ -33,6 +38,10 @@ from kvo_core.errors import KvoError
 
 logger = logging.getLogger(__name__)
 
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+"""Waits before each retry of a failed removal (1 min in all: several of Mooncake's 10 s read
+leases, which every read renews); then the removal is given up on."""
+
 
 class RemovalStillRunningError(KvoError, RuntimeError):
     """A save waited too long for a running removal of one of its keys."""
@@ -51,8 +60,25 @@ class PoisonedKeys:
     """One worker's poisoned keys and removals, ordered against its saves (module docstring)."""
 
     def __init__(self, remove: Callable[[list[str]], None], *,
-                 thread_name: str = "kvo-lw-clean") -> None:
+                 thread_name: str = "kvo-lw-clean",
+                 retry_delays_s: Sequence[float] = RETRY_DELAYS_S,
+                 count: Callable[..., None] | None = None) -> None:
+        """``count(removal_retries=n)`` / ``count(removals_given_up=n)``: where retries and
+        removals given up on are counted (``StatsRecorder.add``), besides this object's own
+        counters."""
         self._remove = remove
+        self._retry_delays_s = tuple(retry_delays_s)
+        self._count = count
+        self._failures: dict[str, int] = {}
+        """Key -> removals of it that failed in a row (while it waits for a retry)."""
+        self._waiting: dict[str, None] = {}
+        """Keys whose removal failed, waiting for their retry (a dict as an ordered set)."""
+        self._timers: set[threading.Timer] = set()
+        self._closed = False
+        self.removal_retries = 0
+        """Retries of failed removals started."""
+        self.removals_given_up = 0
+        """Keys left in the store after every retry failed."""
         self._cond = threading.Condition()
         self._poisoned: dict[str, int] = {}
         """Poisoned key -> serial of its latest poisoning."""
@@ -101,6 +127,12 @@ class PoisonedKeys:
             if self._pending:
                 for key in wanted.intersection(self._pending):
                     del self._pending[key]
+                    self._failures.pop(key, None)
+                    self.cancelled_removals += 1
+            if self._waiting:
+                for key in wanted.intersection(self._waiting):
+                    del self._waiting[key]
+                    self._failures.pop(key, None)
                     self.cancelled_removals += 1
             if self._running and not self._cond.wait_for(
                     lambda: self._running.isdisjoint(wanted), timeout_s):
@@ -135,7 +167,17 @@ class PoisonedKeys:
             return False
         return True
 
+    def retries_waiting(self) -> set[str]:
+        """Keys whose removal failed and waits for a retry."""
+        with self._cond:
+            return set(self._waiting)
+
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            timers, self._timers = self._timers, set()
+        for timer in timers:
+            timer.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     # -- the removal thread -------------------------------------------------------------
@@ -149,11 +191,73 @@ class PoisonedKeys:
             self._running.update(batch)
         if not batch:
             return
+        failed: Exception | None = None
         try:
             self._remove(batch)
-        except Exception as error:  # best effort: poisoned keys are never loaded anyway
-            logger.debug("kvo layerwise: removing %d keys failed: %s", len(batch), error)
+        except Exception as error:  # tried again later (poisoned keys are never loaded)
+            failed = error
         finally:
             with self._cond:
                 self._running.difference_update(batch)
+                if failed is None:
+                    for key in batch:
+                        self._failures.pop(key, None)
                 self._cond.notify_all()
+        if failed is not None:
+            self._retry_later(batch, failed)
+
+    def _retry_later(self, batch: list[str], error: Exception) -> None:
+        """Wait for the retry of ``batch``'s removal, or give it up after the last one."""
+        timer: threading.Timer | None = None
+        with self._cond:
+            if self._closed:
+                return
+            # A key asked for again meanwhile is pending anew: that removal comes anyway.
+            keys = [key for key in batch if key not in self._pending]
+            tries = 1 + max((self._failures.get(key, 0) for key in keys), default=0)
+            if keys and tries > len(self._retry_delays_s):
+                for key in keys:
+                    self._failures.pop(key, None)
+                self.removals_given_up += len(keys)
+            elif keys:
+                for key in keys:
+                    self._failures[key] = tries
+                    self._waiting[key] = None
+                timer = threading.Timer(self._retry_delays_s[tries - 1], self._retry_due,
+                                        args=(keys,))
+                timer.daemon = True
+                timer.name = "kvo-lw-clean-retry"
+                self._timers.add(timer)
+        if not keys:
+            return
+        if timer is None:
+            logger.warning("kvo layerwise: removing %d keys (e.g. %s) failed %d times, the last "
+                           "with %s; they stay in the store (poisoned for this engine until "
+                           "saved again)", len(keys), keys[:2], tries, error)
+            if self._count is not None:
+                self._count(removals_given_up=len(keys))
+            return
+        logger.info("kvo layerwise: removing %d keys (e.g. %s) failed (%s); retry %d of %d in "
+                    "%g s", len(keys), keys[:2], error, tries, len(self._retry_delays_s),
+                    timer.interval)
+        timer.start()
+
+    def _retry_due(self, keys: list[str]) -> None:
+        """A retry's wait is over: its keys no save took meanwhile are removed again."""
+        with self._cond:
+            self._timers = {timer for timer in self._timers if timer.is_alive()
+                            and timer is not threading.current_thread()}
+            if self._closed:
+                return
+            due = [key for key in keys if key in self._waiting]
+            for key in due:
+                del self._waiting[key]
+                self._pending[key] = None
+            self.removal_retries += bool(due)
+        if due:
+            if self._count is not None:
+                self._count(removal_retries=1)
+            try:
+                self._executor.submit(self._drain)
+            except RuntimeError:  # closed meanwhile
+                pass

@@ -94,7 +94,7 @@ class LayerwiseWorker:
         recorder = StatsRecorder()
         # Removals run in the background (they may wait out a store read lease) but never
         # land after a later save of the same key (poisoned_keys.py).
-        self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys))
+        self.poisoned = PoisonedKeys(lambda keys: self.store.remove(keys), count=recorder.add)
         self.parts = PipelineParts(
             store=store, keys=keys, rounds=SlotRounds(self.gates, layer_deadline_s),
             poisoned=self.poisoned, recorder=recorder, deadline_s=layer_deadline_s,

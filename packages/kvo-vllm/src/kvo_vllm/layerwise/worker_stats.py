@@ -25,6 +25,10 @@ class LayerwiseStats:
     failed_loads: int = 0
     failed_saves: int = 0
     poisoned_keys: int = 0
+    removal_retries: int = 0
+    """Retries of removals that failed (e.g. Mooncake's, given up on a read lease)."""
+    removals_given_up: int = 0
+    """Keys whose removal failed on every retry: they stay in the store (still poisoned)."""
     save_seconds: float = 0.0
     staged_bytes: int = 0
     """Bytes copied to the staging area (then put after the forward)."""
