@@ -25,8 +25,9 @@ roughly ``--fault-rate`` of them one fault is injected, drawn at random:
   JSON counts tries and answers) and the prefill's own connection must keep working;
 - ``shm_nearly_full``: /dev/shm is filled up to ``--shm-remainder-kib`` KiB while the batch
   runs, then emptied again. The soak runs in a mount namespace of its own with a small private
-  tmpfs (``--shm-mib``) on /dev/shm (kvo_tools.pd.private_shm), shared by all its engines as one
-  host's are: the machine's /dev/shm is never filled. Without root (no mount namespace) the
+  tmpfs (``--shm-mib``, by default sized for the engines' TP: kvo_tools.pd.shm_budget) on
+  /dev/shm (kvo_tools.pd.private_shm), shared by all its engines as one host's are: the
+  machine's /dev/shm is never filled. Without root (no mount namespace) the
   fault is left out and the JSON says why (``skipped_faults``).
 
 - ``decode_tp_rank_killed`` (only with ``--decode-tp`` 2): one decode TP worker other than
@@ -87,6 +88,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvo_tools.pd import shm_budget
 from kvo_tools.pd.client import Answer, complete, completion_body
 from kvo_tools.pd.cluster import (
     Cluster,
@@ -366,6 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "unrecovered": dict(unrecovered), "probes": dict(probes),
             "takeover": attrs.asdict(notes.takeover), "shm_left_bytes": notes.shm_left,
             "decode_tp": args.decode_tp,
+            "private_shm_mib": args.shm_mib if private() else None,
             "tp_rank_kills": [attrs.asdict(kill) for kill in notes.tp_rank_kills],
             "skipped_faults": args.skip_faults, "workdir": str(workdir)}
 
@@ -610,8 +613,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the faults drawn from (default: all the deployment can inject)")
     parser.add_argument("--recovery-limit", type=float, default=120.0,
                         help="seconds after a fault within which the pair must serve again")
-    parser.add_argument("--shm-mib", type=_positive, default=256,
-                        help="size of the soak's private /dev/shm (tmpfs)")
+    parser.add_argument("--shm-mib", type=_positive, default=None,
+                        help="size of the soak's private /dev/shm (tmpfs); default: what the "
+                             "engines' TP needs, plus room for what each decode kill leaves "
+                             "(kvo_tools.pd.shm_budget; 256 MiB at TP 1, 4906 at TP 2); "
+                             "shm_nearly_full fills it, taking that much memory meanwhile")
     parser.add_argument("--shm-remainder-kib", type=int, default=16,
                         help="what shm_nearly_full leaves free in /dev/shm")
     parser.add_argument("--seed", type=int, default=0)
@@ -627,7 +633,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.skip_faults[kind] = "needs --decode-tp 2 (the decode runs TP 1)"
     if args.faults is None:
         args.faults = [kind for kind in FAULTS if kind not in args.skip_faults]
+    size_private_shm(parser, args)
     return args
+
+
+def size_private_shm(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.shm_mib``: the default for the engines' TP, or the user's value if it is at
+    least what they need (else a usage error naming the size needed and why)."""
+    engines = dict.fromkeys(("plain", "prefill", "decode"), args.decode_tp)
+    chunk_mib = shm_budget.mq_chunk_mib()
+    needed = shm_budget.needed_mib(list(engines.values()), chunk_mib)
+    if args.shm_mib is None:
+        restarts = args.max_decode_kills + (args.max_tp_rank_kills if args.decode_tp > 1 else 0)
+        args.shm_mib = shm_budget.default_mib(list(engines.values()), args.decode_tp, restarts,
+                                              chunk_mib)
+    elif args.shm_mib < needed:
+        parser.error(f"--shm-mib {args.shm_mib} is too small for engines at --decode-tp "
+                     f"{args.decode_tp}: they need at least {needed} MiB of /dev/shm "
+                     f"({shm_budget.describe(engines, chunk_mib)})")
 
 
 def main(argv: list[str] | None = None) -> int:
