@@ -62,7 +62,9 @@ to back, so the time includes one probe's own latency. A pair still unusable aft
 ``--recovery-limit`` seconds counts as ``unrecovered`` (must be 0). The issue's target is one
 layer deadline (10 s here) plus one handshake.
 The JSON records each engine's resident memory and /dev/shm files at the soak's start and end
-(``footprint``: per process group, kvo_tools.pd.footprint). Prints the table and writes JSON. Not
+(``footprint``: per process group, kvo_tools.pd.footprint). Each process logs to
+``<workdir>/logs/<name>.log``; a restarted one (a killed decode) to ``<name>.restart1.log``,
+``<name>.restart2.log``, ... beside the earlier ones. Prints the table and writes JSON. Not
 part of ``nox -s tests``: ``nox -s soak`` (``-- --requests 50`` for a shorter run). Exit 0 when
 wrong == hung == crashes == unrecovered == 0
 (probes included) and every decode TP rank kill reached its worker.

@@ -149,6 +149,8 @@ class Cluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.processes: list[Managed] = []
+        self._starts: dict[str, int] = {}
+        """Processes started per name (a restart keeps the earlier logs: ``log_path_for``)."""
         workdir.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> Cluster:
@@ -174,7 +176,7 @@ class Cluster:
         """``netns``: the named network namespace to run in (``ip netns exec``)."""
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
-        log_path = self.workdir / f"{name}.log"
+        log_path = self.log_path_for(name)
         full_env = {**os.environ, **(env or {})}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -183,6 +185,13 @@ class Cluster:
         managed = Managed(name=name, argv=argv, log_path=log_path, process=process, url=url)
         self.processes.append(managed)
         return managed
+
+    def log_path_for(self, name: str) -> Path:
+        """The log of the next process named ``name``: ``name.log`` for the first, then
+        ``name.restart1.log``, ``name.restart2.log``, ... so that a restarted process (a
+        killed decode) never overwrites the log of the one before it."""
+        starts = self._starts[name] = self._starts.get(name, 0) + 1
+        return self.workdir / (f"{name}.log" if starts == 1 else f"{name}.restart{starts - 1}.log")
 
     def start_vllm(self, name: str, model: Path, port: int,
                    kv_transfer_config: Mapping[str, Any] | None = None,
