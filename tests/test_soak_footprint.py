@@ -33,3 +33,13 @@ def test_the_footprint_counts_shared_and_anonymous_memory_of_the_group_apart() -
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_dev_shm_listing_names_every_file(tmp_path) -> None:
+    """So that a soak's leftovers say whose they are (vLLM's psm_*, kvo's kvo-*)."""
+    from kvo_tools.pd.footprint import shm_listing
+
+    (tmp_path / "psm_1234abcd").write_bytes(b"x" * 100)
+    (tmp_path / "sem.mp-xyz").write_bytes(b"y" * 32)
+    assert shm_listing(str(tmp_path)) == {"files": 2, "bytes": 132,
+                                          "names": ["psm_1234abcd", "sem.mp-xyz"]}

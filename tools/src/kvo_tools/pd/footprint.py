@@ -93,16 +93,19 @@ def footprint(pgid: int) -> dict[str, Any]:
     return {"pgid": pgid, "pids": len(pids), **rss, "shm_files": sorted(shm), "shm_bytes": size}
 
 
-def shm_listing() -> dict[str, Any]:
-    """Every file in /dev/shm now: count and total bytes (all processes, not one engine)."""
-    total = count = 0
+def shm_listing(directory: str = SHM) -> dict[str, Any]:
+    """Every file in /dev/shm now: count, total bytes and names (all processes, not one
+    engine; the names tell whose a leftover is: vLLM's ``psm_*``, semaphores ``sem.*``,
+    kvo's ``kvo-*``)."""
+    total = 0
+    names: list[str] = []
     try:
-        for entry in os.scandir(SHM):
+        for entry in os.scandir(directory):
             try:
                 total += entry.stat(follow_symlinks=False).st_size
-                count += 1
+                names.append(entry.name)
             except OSError:
                 continue
     except OSError:
         pass
-    return {"files": count, "bytes": total}
+    return {"files": len(names), "bytes": total, "names": sorted(names)}
