@@ -64,6 +64,12 @@ LAYERWISE_METRICS = _catalog(
     Metric("layerwise_failed_saves", "counter", "Store keys whose save failed (poisoned)."),
     Metric("layerwise_poisoned_keys", "counter",
            "Store keys poisoned: saves dropped because their KV may be wrong, or failed."),
+    Metric("layerwise_removal_retries", "counter",
+           "Retries of store removals that failed (e.g. a key another engine holds a read "
+           "lease on)."),
+    Metric("layerwise_removals_given_up", "counter",
+           "Store keys whose removal failed every retry: still in the store, never loaded "
+           "here (their bytes are a confirmed save's)."),
     Metric("layerwise_ready_wait_seconds", "counter",
            "Seconds the forward waited for a layer buffer (slot gate and load)."),
     Metric("layerwise_step_end_wait_seconds", "counter",

@@ -66,6 +66,8 @@ class LayerwiseStats:
             "layerwise_failed_loads": self.failed_loads,
             "layerwise_failed_saves": self.failed_saves,
             "layerwise_poisoned_keys": self.poisoned_keys,
+            "layerwise_removal_retries": self.removal_retries,
+            "layerwise_removals_given_up": self.removals_given_up,
             "layerwise_ready_wait_seconds": self.ready_wait_seconds,
             "layerwise_step_end_wait_seconds": self.step_end_wait_seconds,
         }
