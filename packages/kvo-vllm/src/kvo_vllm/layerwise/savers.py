@@ -20,8 +20,9 @@ up on when a deadline passes (the next layer then writes it), so a put reading a
 read another layer's KV. Poisoning such keys and removing them does not keep them from other
 engines sharing the store: the value is readable from the put's end until the removal, and
 Mooncake's removal gives up while another engine holds a read lease (10 s by default, longer
-than ``remove_timeout_s``), or never runs if this engine dies first. So the check comes before
-the value exists, not after: every put is made from a copy of its ranges (the store's bounce
+than ``remove_timeout_s``), or never runs if this engine dies first; a tombstone or version
+that loaders check would cost every load a store round trip and leave the same window before
+it is written. So the check comes before the value exists, not after: every put is made from a copy of its ranges (the store's bounce
 memory, ``KVStore.put_from``'s ``settle``), and once the copy is taken the slot's round ends;
 a round given up on meanwhile leaves its keys out of the put. A staged layer's copy in the
 staging area is checked the same way (``StagedSaver._stage_layer``). Mooncake publishes a key
