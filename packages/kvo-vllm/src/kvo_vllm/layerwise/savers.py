@@ -22,9 +22,10 @@ engines sharing the store: the value is readable from the put's end until the re
 Mooncake's removal gives up while another engine holds a read lease (10 s by default, longer
 than ``remove_timeout_s``), or never runs if this engine dies first; a tombstone or version
 that loaders check would cost every load a store round trip and leave the same window before
-it is written. So the check comes before the value exists, not after: every put is made from a copy of its ranges (the store's bounce
-memory, ``KVStore.put_from``'s ``settle``), and once the copy is taken the slot's round ends;
-a round given up on meanwhile leaves its keys out of the put. A staged layer's copy in the
+it is written. So the check comes before the value exists, not after: every put is made from
+a copy of its ranges (the store's bounce memory, ``KVStore.put_from``'s ``settle``), and once
+the copy is taken the slot's round ends; a round given up on meanwhile leaves its keys out of
+the put. A staged layer's copy in the
 staging area is checked the same way (``StagedSaver._stage_layer``). Mooncake publishes a key
 only when its whole value has arrived (PutEnd; an in-place upsert hides the key until then,
 a revoked or abandoned one never shows it), so what another engine can read under a key is
