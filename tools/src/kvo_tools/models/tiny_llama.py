@@ -18,6 +18,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 BOS, EOS = "<s>", "</s>"
 HEAD_DIM = 32
@@ -26,7 +30,7 @@ MARKER = "kvo_tiny_llama.json"
 """Written last; its presence (with matching parameters) means a complete build."""
 
 
-def _byte_level_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+def _byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer without merges: one token per byte, plus BOS/EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
