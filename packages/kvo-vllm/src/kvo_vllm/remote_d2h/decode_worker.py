@@ -24,9 +24,6 @@ moves both or fails the layer. Per request:
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -45,6 +42,7 @@ from kvo_transport.control import (
 )
 from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
+from kvo_transport.pull_lifecycle import DeadlinePolicy, PullTable, RequestPull
 from kvo_transport.samehost_engine import SameHostEngine
 from kvo_vllm.remote_d2h.fused_pool_split import RowSplittingEngine, StagingArena
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
@@ -70,28 +68,8 @@ for one to finish (it returns as soon as one does). vLLM steps such a decode aga
 waiting for pulls burnt more CPU than the prefill computing the prompts (docs/benchmarks.md).
 A new request reaching such a decode waits at most this long longer to be scheduled."""
 
-REPORTED_MEMORY = 65536
-"""How many reported request ids the worker remembers (an abort that crossed the report)."""
 PoolFinder = Callable[[Mapping[str, torch.Tensor], KVLayout], "PoolDestination | None"]
 """(vLLM's caches, their layout) -> the host pool main KV lands in, or None (vLLM's cache)."""
-
-
-@attrs.define
-class _Recv:
-    target: RecvTarget
-    destination: RequestDestination
-    registered_at: float
-    last_seen: float | None = None
-
-
-@attrs.define
-class _Returning:
-    """A request given up on whose blocks go back to vLLM once no read can write them."""
-
-    target: RecvTarget
-    invalid: set[int]
-    reason: str | None
-    """Why it failed (None: vLLM aborted it, nothing to report as a load error)."""
 
 
 @attrs.define
@@ -107,7 +85,13 @@ class DecodeStats:
 
 
 class DecodePuller:
-    """Owns the decode rank's engine, receiver and destinations (one per worker)."""
+    """Owns the decode rank's engine, receiver and destinations (one per worker).
+
+    Each request's pull is one record of the transport's ``PullTable``
+    (kvo_transport.pull_lifecycle: registered -> reading -> received, or returning ->
+    returned, then reported); this worker maps its states onto vLLM's finished set and
+    invalid blocks, and does what a transition means here (revoking, counting, logging).
+    """
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
                  dp_size: int = 1, device_index: int | None = None,
@@ -122,12 +106,9 @@ class DecodePuller:
         self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
         self._engine_wrapper = engine_wrapper
         self.stats = DecodeStats()
-        self._lock = threading.Lock()
-        self._recvs: dict[str, _Recv] = {}  # transfer id -> state
-        self._finished: set[str] = set()  # vLLM request ids to report received
-        self._reported: OrderedDict[str, None] = OrderedDict()  # reported before, oldest first
-        self._invalid: set[int] = set()
-        self._returning: list[_Returning] = []
+        self._pulls = PullTable(DeadlinePolicy(
+            first_ready_s=config.handshake_timeout_s + config.layer_deadline_s,
+            next_ready_s=config.layer_deadline_s))
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
         self._engine: GuardedEngine | None = None
         self._raw: TransferEngine | None = None
@@ -237,7 +218,7 @@ class DecodePuller:
     def _waiting_for_the_step(self) -> int:
         """Registered pulls plus READYs parked until the step registers their destination."""
         receiver = self._receiver
-        return len(self._recvs) + (0 if receiver is None else receiver.waiting_readies)
+        return self._pulls.live + (0 if receiver is None else receiver.waiting_readies)
 
     # -- per step -----------------------------------------------------------------------
 
@@ -257,14 +238,12 @@ class DecodePuller:
         destination = RequestDestination(main_block_ids=target.block_ids,
                                          first_block=target.skip_blocks)
         if self._receiver is not None:
-            self._receiver.restore(*self._blocks(target))
-        with self._lock:
-            self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
-                                                    registered_at=time.monotonic())
-            self.stats.registered += 1
+            self._receiver.restore(*self._blocks(destination))
+        self._pulls.register(target.transfer_id, target.request_id, destination)
+        self.stats.registered += 1
         aborted = None if self._receiver is None else self._receiver.aborted(target.transfer_id)
         if aborted is not None:  # the prefill gave it up before its blocks were registered
-            self._complete(target.transfer_id, aborted)
+            self._fail(target.transfer_id, aborted)
             return
         ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
                             decode_tp=self.tp_size, endpoint=self.endpoint,
@@ -272,27 +251,23 @@ class DecodePuller:
                             dp_rank=self.dp_rank, dp_size=self.dp_size)
         self._notifier.post(target.notify_url, ready.to_json())
 
-    def _blocks(self, target: RecvTarget) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _blocks(self, destination: RequestDestination
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(main, indexer) destination blocks of a request: the same vLLM block ids (one
         block table), the indexer's only where the layers have an indexer cache."""
-        return target.block_ids, target.block_ids if self._has_indexer else ()
+        main = destination.main_block_ids
+        return main, main if self._has_indexer else ()
 
     def _resolve(self, transfer_id: str) -> RequestDestination | None:
         """The receiver's resolver (its thread): a live destination, or None."""
-        with self._lock:
-            recv = self._recvs.get(transfer_id)
-            if recv is None:
-                return None
-            recv.last_seen = time.monotonic()
-            return recv.destination
+        return self._pulls.resolve(transfer_id)
 
     def _on_invalid(self, transfer_id: str, layer: int, main: tuple[int, ...],
                     indexer: tuple[int, ...], reason: str) -> None:
         """A pull failed (receiver thread): no later READY may write this destination."""
-        with self._lock:
-            recv = self._recvs.get(transfer_id)
-        if recv is not None and self._receiver is not None:
-            self._receiver.revoke(*self._blocks(recv.target))
+        pull = self._pulls.pull(transfer_id)
+        if pull is not None and self._receiver is not None:
+            self._receiver.revoke(*self._blocks(pull.destination))
 
     # -- results ------------------------------------------------------------------------
 
@@ -303,134 +278,86 @@ class DecodePuller:
             return set(), set()
         if self._watchdog is not None:
             self._watchdog.stepped()
-        with self._lock:
-            waiting = self._idle and bool(self._recvs)
-        if waiting:
+        if self._idle and self._pulls.live:
             # Nothing to compute this step: sleep until a pull ends (or briefly) rather than
             # have vLLM step again at once (IDLE_WAIT_S). Never longer: a new request may wait.
             self._idle = False
             receiver.wait_finished(IDLE_WAIT_S)
         finished, failed = receiver.pop_finished()
         for transfer_id in finished:
-            self._complete(transfer_id, None)
-        for transfer_id, reason in failed.items():
-            self._complete(transfer_id, reason)
-        self._expire_deadlines()
-        self._return_settled()
-        with self._lock:
-            done, self._finished = self._finished, set()
-            invalid, self._invalid = self._invalid, set()
-            for request_id in done:
-                self._reported[request_id] = None
-            while len(self._reported) > REPORTED_MEMORY:
-                self._reported.popitem(last=False)
-        return done, invalid
-
-    def _complete(self, transfer_id: str, failure: str | None) -> None:
-        with self._lock:
-            recv = self._recvs.pop(transfer_id, None)
-        if recv is None:
-            return  # revoked or expired earlier; already answered
-        target = recv.target
-        if failure is None:
-            self._note_pulled(target)
-            with self._lock:
+            pull = self._pulls.deliver(transfer_id)
+            if pull is not None:  # else stopped or expired earlier; already answered
+                self._note_pulled(pull)
                 self.stats.received += 1
-                self._finished.add(target.request_id)
-            return
-        invalid: set[int] = set()
-        if self._receiver is not None:
-            self._receiver.revoke(*self._blocks(target))
-            found = self._receiver.invalid_blocks(transfer_id)
-            invalid = set(found.main) | set(found.indexer)  # one block table for both
-            self._receiver.forget(transfer_id)
-        self._fail(target, invalid, failure)
+        for transfer_id, reason in failed.items():
+            self._fail(transfer_id, reason)
+        for pull in self._pulls.expire():
+            self._stop_reads(pull)
+            self.stats.deadline_failures += 1
+            self._log_failed(pull)
+        self._return_settled()
+        answers = self._pulls.report()
+        return ({pull.request_id for pull in answers},
+                {b for pull in answers if pull.reason is not None for b in pull.invalid})
 
-    def _note_pulled(self, target: RecvTarget) -> None:
+    def _fail(self, transfer_id: str, reason: str) -> None:
+        """The pull failed: its destination is revoked, its blocks return once settled."""
+        pull = self._pulls.fail(transfer_id, reason)
+        if pull is None:
+            return  # stopped or expired earlier; already answered
+        if self._receiver is not None:
+            self._receiver.revoke(*self._blocks(pull.destination))
+            found = self._receiver.invalid_blocks(transfer_id)
+            self._receiver.forget(transfer_id)
+            pull.name_invalid(set(found.main) | set(found.indexer))  # one block table
+        self._log_failed(pull)
+        self._return_settled()
+
+    def _stop_reads(self, pull: RequestPull) -> None:
+        """No read may start into the pull's blocks; the receiver forgets the request."""
+        if self._receiver is not None:
+            self._receiver.revoke(*self._blocks(pull.destination))
+            self._receiver.forget(pull.transfer_id)
+
+    def _log_failed(self, pull: RequestPull) -> None:
+        logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
+                       "go to vLLM's load-failure path once no read can write them: %s",
+                       pull.request_id, pull.transfer_id, len(pull.invalid), pull.reason)
+
+    def _note_pulled(self, pull: RequestPull) -> None:
         """Tell the host pool's owner which blocks a pull wrote (step thread: before vLLM may
         schedule the request, and never while a forward reads the residency state)."""
         if self._pool is not None:
-            self._pool.note_pulled(target.block_ids)
-
-    def _fail(self, target: RecvTarget, invalid: set[int], reason: str) -> None:
-        if not invalid:  # nothing specific: every block that was to be pulled is suspect
-            invalid = {b for b in target.block_ids if b >= 0}
-        logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
-                       "go to vLLM's load-failure path once no read can write them: %s",
-                       target.request_id, target.transfer_id, len(invalid), reason)
-        with self._lock:
-            self._returning.append(_Returning(target=target, invalid=invalid, reason=reason))
-        self._return_settled()
+            self._pool.note_pulled(pull.destination.main_block_ids)
 
     def _return_settled(self) -> None:
-        """Report given-up requests whose blocks no read can write any more (never waits)."""
+        """Returning pulls whose blocks no read can write any more are returned (never
+        waits): a failed one with its invalid blocks."""
         receiver = self._receiver
-        with self._lock:
-            waiting, self._returning = self._returning, []
-        ready: list[_Returning] = []
-        still: list[_Returning] = []
-        for item in waiting:
-            settled = receiver is None or receiver.settled(*self._blocks(item.target))
-            (ready if settled else still).append(item)
-        for item in ready:  # settled: no late slice can land after this
-            self._note_pulled(item.target)
-        with self._lock:
-            self._returning.extend(still)
-            for item in ready:
-                if item.reason is not None:
-                    self.stats.failed += 1
-                    self.stats.invalid_blocks_reported += len(item.invalid)
-                    self._invalid |= item.invalid
-                self._finished.add(item.target.request_id)
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        first_wait = self.config.handshake_timeout_s + self.config.layer_deadline_s
-        expired = []
-        with self._lock:
-            for transfer_id, recv in self._recvs.items():
-                waited_since = recv.registered_at if recv.last_seen is None else recv.last_seen
-                limit = first_wait if recv.last_seen is None else self.config.layer_deadline_s
-                if now - waited_since > limit:
-                    expired.append((transfer_id, recv, limit))
-            for transfer_id, _, _ in expired:
-                del self._recvs[transfer_id]
-        for transfer_id, recv, limit in expired:
-            if self._receiver is not None:
-                self._receiver.revoke(*self._blocks(recv.target))
-                self._receiver.forget(transfer_id)
-            with self._lock:
-                self.stats.deadline_failures += 1
-            what = "no READY arrived" if recv.last_seen is None else "no further READY arrived"
-            self._fail(recv.target, set(),
-                       f"{what} within {limit:g} s (prefill lost or too slow)")
+        returned = self._pulls.settle(
+            lambda pull: receiver is None or receiver.settled(*self._blocks(pull.destination)))
+        for pull in returned:  # settled: no late slice can land after this
+            self._note_pulled(pull)
+            if pull.reason is not None:
+                self.stats.failed += 1
+                self.stats.invalid_blocks_reported += len(pull.invalid)
 
     def _revoke_request(self, request_id: str, reason: str) -> None:
         """vLLM aborted a request still waiting for its pull: stop it, answer once."""
-        with self._lock:
-            found = [(t, r) for t, r in self._recvs.items() if r.target.request_id == request_id]
-            for transfer_id, _ in found:
-                del self._recvs[transfer_id]
-            if not found:
-                # Never registered: vLLM still waits for one answer, unless the request is
-                # already on its way back (reported once settled). Already reported: vLLM has
-                # that answer in an output it had not processed when it aborted the request,
-                # and frees the request when it does; a second answer for a request vLLM no
-                # longer knows would fail its scheduler's ``assert req_id in self.requests``.
-                if request_id in self._reported:
-                    logger.debug("kvo remote_d2h: abort of %s after its pull was reported: "
-                                 "nothing to stop", request_id)
-                elif all(item.target.request_id != request_id for item in self._returning):
-                    self._finished.add(request_id)
-                return
-        for transfer_id, recv in found:
-            if self._receiver is not None:
-                self._receiver.revoke(*self._blocks(recv.target))
-                self._receiver.forget(transfer_id)
-        with self._lock:
-            self.stats.revoked += 1
-            self._returning.extend(_Returning(target=recv.target, invalid=set(), reason=None)
-                                   for _, recv in found)
+        stopped, reported = self._pulls.stop(request_id)
+        if not stopped:
+            # Never registered: it is answered once all the same, unless it is already on its
+            # way back. Already reported: vLLM has that answer in an output it had not
+            # processed when it aborted the request, and frees the request when it does; a
+            # second answer for a request vLLM no longer knows would fail its scheduler's
+            # ``assert req_id in self.requests``.
+            if reported:
+                logger.debug("kvo remote_d2h: abort of %s after its pull was reported: "
+                             "nothing to stop", request_id)
+            return
+        for pull in stopped:
+            self._stop_reads(pull)
+        self.stats.revoked += 1
         self._return_settled()
         logger.info("kvo remote_d2h: pull of request %s stopped: %s", request_id, reason)
 
@@ -451,8 +378,8 @@ class DecodePuller:
                 "engine_wrapper": _wrapper_snapshot(engine),
                 "same_host_bytes": self._raw.direct_bytes
                 if isinstance(self._raw, SameHostEngine) else 0,
-                "in_flight": len(self._recvs),
-                "returning": len(self._returning),
+                "in_flight": self._pulls.live,
+                "returning": self._pulls.returning,
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads,
                 "aborted_by_prefill": (0 if self._receiver is None
                                        else self._receiver.aborted_requests),
