@@ -40,9 +40,10 @@ from kvo_transport.control import (
     DestinationLayer,
     RequestDestination,
 )
+from kvo_transport.decode_pulls import DecodePulls, invalid_blocks
 from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
-from kvo_transport.pull_lifecycle import DeadlinePolicy, PullTable, RequestPull
+from kvo_transport.pull_lifecycle import DeadlinePolicy
 from kvo_transport.samehost_engine import SameHostEngine
 from kvo_vllm.remote_d2h.fused_pool_split import RowSplittingEngine, StagingArena
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
@@ -72,25 +73,13 @@ PoolFinder = Callable[[Mapping[str, torch.Tensor], KVLayout], "PoolDestination |
 """(vLLM's caches, their layout) -> the host pool main KV lands in, or None (vLLM's cache)."""
 
 
-@attrs.define
-class DecodeStats:
-    """Counters since start-up (read by tests, the demo and the benchmark)."""
-
-    registered: int = 0
-    received: int = 0
-    failed: int = 0
-    deadline_failures: int = 0
-    revoked: int = 0
-    invalid_blocks_reported: int = 0
-
-
 class DecodePuller:
     """Owns the decode rank's engine, receiver and destinations (one per worker).
 
-    Each request's pull is one record of the transport's ``PullTable``
-    (kvo_transport.pull_lifecycle: registered -> reading -> received, or returning ->
-    returned, then reported); this worker maps its states onto vLLM's finished set and
-    invalid blocks, and does what a transition means here (revoking, counting, logging).
+    Each request's pull is owned by the transport's ``DecodePulls`` (kvo_transport.
+    decode_pulls: one state machine per pull, registered -> reading -> received, or returning
+    -> returned, then reported); this worker registers and stops pulls as vLLM's scheduler
+    says, and maps what it reports onto vLLM's finished requests and invalid blocks.
     """
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
@@ -105,8 +94,7 @@ class DecodePuller:
         """This worker's accelerator on its node (MemFabric's default device)."""
         self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
         self._engine_wrapper = engine_wrapper
-        self.stats = DecodeStats()
-        self._pulls = PullTable(DeadlinePolicy(
+        self._pulls = DecodePulls(DeadlinePolicy(
             first_ready_s=config.handshake_timeout_s + config.layer_deadline_s,
             next_ready_s=config.layer_deadline_s))
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
@@ -116,7 +104,6 @@ class DecodePuller:
         self._watchdog: StepWatchdog | None = None
         self._registered: list[int] = []
         self._pool: PoolDestination | None = None
-        self._has_indexer = False
         self._device_kv: dict[str, int] = {}
         self._idle = False
 
@@ -144,7 +131,6 @@ class DecodePuller:
         refuse_untested_dsa_decode_tp(layout.has_indexer, self.tp_size)
         refuse_untested_fused_decode_tp(pool, self.tp_size)
         self._pool = pool
-        self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
         config = self.config
         tensors = [t for layer in layout.layers for _, t in layer.tensors()]
@@ -195,12 +181,14 @@ class DecodePuller:
         share = main_share(pool, self.tp_rank, self.tp_size)
         self._receiver = DecodeReceiver(
             engine=self._engine, layout=DecodeLayout(dest_layers, main_share=share),
-            resolve=self._resolve,
+            resolve=self._pulls.resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
-            retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
+            retry_backoff_s=config.retry_backoff_s, on_invalid=self._pulls.on_invalid,
             control_secret=config.control_secret,
             destination_wait_s=config.destination_wait_s).start()
+        self._pulls.attach(self._receiver, indexer=layout.has_indexer,
+                           on_written=self._note_pulled)
         self._watchdog = StepWatchdog(
             name=f"decode DP rank {self.dp_rank} TP rank {self.tp_rank}/{self.tp_size}",
             threshold_s=max(1.0, config.layer_deadline_s / 2),
@@ -218,7 +206,7 @@ class DecodePuller:
     def _waiting_for_the_step(self) -> int:
         """Registered pulls plus READYs parked until the step registers their destination."""
         receiver = self._receiver
-        return self._pulls.live + (0 if receiver is None else receiver.waiting_readies)
+        return self._pulls.table.live + (0 if receiver is None else receiver.waiting_readies)
 
     # -- per step -----------------------------------------------------------------------
 
@@ -229,7 +217,7 @@ class DecodePuller:
         for target in metadata.recvs:
             self._register(target)
         for request_id in metadata.revoked_recvs:
-            self._revoke_request(request_id, "aborted by vLLM")
+            self._pulls.stop(request_id, "aborted by vLLM")
         if self._receiver is not None:
             for transfer_id in metadata.declined_recvs:
                 self._receiver.decline(transfer_id)
@@ -237,129 +225,36 @@ class DecodePuller:
     def _register(self, target: RecvTarget) -> None:
         destination = RequestDestination(main_block_ids=target.block_ids,
                                          first_block=target.skip_blocks)
-        if self._receiver is not None:
-            self._receiver.restore(*self._blocks(destination))
-        self._pulls.register(target.transfer_id, target.request_id, destination)
-        self.stats.registered += 1
-        aborted = None if self._receiver is None else self._receiver.aborted(target.transfer_id)
-        if aborted is not None:  # the prefill gave it up before its blocks were registered
-            self._fail(target.transfer_id, aborted)
-            return
+        if not self._pulls.register(target.transfer_id, target.request_id, destination):
+            return  # the prefill gave it up before its blocks were registered
         ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
                             decode_tp=self.tp_size, endpoint=self.endpoint,
                             skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids),
                             dp_rank=self.dp_rank, dp_size=self.dp_size)
         self._notifier.post(target.notify_url, ready.to_json())
 
-    def _blocks(self, destination: RequestDestination
-                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(main, indexer) destination blocks of a request: the same vLLM block ids (one
-        block table), the indexer's only where the layers have an indexer cache."""
-        main = destination.main_block_ids
-        return main, main if self._has_indexer else ()
-
-    def _resolve(self, transfer_id: str) -> RequestDestination | None:
-        """The receiver's resolver (its thread): a live destination, or None."""
-        return self._pulls.resolve(transfer_id)
-
-    def _on_invalid(self, transfer_id: str, layer: int, main: tuple[int, ...],
-                    indexer: tuple[int, ...], reason: str) -> None:
-        """A pull failed (receiver thread): no later READY may write this destination."""
-        pull = self._pulls.pull(transfer_id)
-        if pull is not None and self._receiver is not None:
-            self._receiver.revoke(*self._blocks(pull.destination))
-
     # -- results ------------------------------------------------------------------------
 
     def collect(self) -> tuple[set[str], set[int]]:
         """(request ids received or given up since the last call, their invalid blocks)."""
-        receiver = self._receiver
-        if receiver is None:
+        if self._receiver is None:
             return set(), set()
         if self._watchdog is not None:
             self._watchdog.stepped()
-        if self._idle and self._pulls.live:
+        wait_s = 0.0
+        if self._idle and self._pulls.table.live:
             # Nothing to compute this step: sleep until a pull ends (or briefly) rather than
             # have vLLM step again at once (IDLE_WAIT_S). Never longer: a new request may wait.
             self._idle = False
-            receiver.wait_finished(IDLE_WAIT_S)
-        finished, failed = receiver.pop_finished()
-        for transfer_id in finished:
-            pull = self._pulls.deliver(transfer_id)
-            if pull is not None:  # else stopped or expired earlier; already answered
-                self._note_pulled(pull)
-                self.stats.received += 1
-        for transfer_id, reason in failed.items():
-            self._fail(transfer_id, reason)
-        for pull in self._pulls.expire():
-            self._stop_reads(pull)
-            self.stats.deadline_failures += 1
-            self._log_failed(pull)
-        self._return_settled()
-        answers = self._pulls.report()
-        return ({pull.request_id for pull in answers},
-                {b for pull in answers if pull.reason is not None for b in pull.invalid})
+            wait_s = IDLE_WAIT_S
+        reported = self._pulls.collect(wait_s)
+        return {pull.request_id for pull in reported}, invalid_blocks(reported)
 
-    def _fail(self, transfer_id: str, reason: str) -> None:
-        """The pull failed: its destination is revoked, its blocks return once settled."""
-        pull = self._pulls.fail(transfer_id, reason)
-        if pull is None:
-            return  # stopped or expired earlier; already answered
-        if self._receiver is not None:
-            self._receiver.revoke(*self._blocks(pull.destination))
-            found = self._receiver.invalid_blocks(transfer_id)
-            self._receiver.forget(transfer_id)
-            pull.name_invalid(set(found.main) | set(found.indexer))  # one block table
-        self._log_failed(pull)
-        self._return_settled()
-
-    def _stop_reads(self, pull: RequestPull) -> None:
-        """No read may start into the pull's blocks; the receiver forgets the request."""
-        if self._receiver is not None:
-            self._receiver.revoke(*self._blocks(pull.destination))
-            self._receiver.forget(pull.transfer_id)
-
-    def _log_failed(self, pull: RequestPull) -> None:
-        logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
-                       "go to vLLM's load-failure path once no read can write them: %s",
-                       pull.request_id, pull.transfer_id, len(pull.invalid), pull.reason)
-
-    def _note_pulled(self, pull: RequestPull) -> None:
+    def _note_pulled(self, block_ids: tuple[int, ...]) -> None:
         """Tell the host pool's owner which blocks a pull wrote (step thread: before vLLM may
         schedule the request, and never while a forward reads the residency state)."""
         if self._pool is not None:
-            self._pool.note_pulled(pull.destination.main_block_ids)
-
-    def _return_settled(self) -> None:
-        """Returning pulls whose blocks no read can write any more are returned (never
-        waits): a failed one with its invalid blocks."""
-        receiver = self._receiver
-        returned = self._pulls.settle(
-            lambda pull: receiver is None or receiver.settled(*self._blocks(pull.destination)))
-        for pull in returned:  # settled: no late slice can land after this
-            self._note_pulled(pull)
-            if pull.reason is not None:
-                self.stats.failed += 1
-                self.stats.invalid_blocks_reported += len(pull.invalid)
-
-    def _revoke_request(self, request_id: str, reason: str) -> None:
-        """vLLM aborted a request still waiting for its pull: stop it, answer once."""
-        stopped, reported = self._pulls.stop(request_id)
-        if not stopped:
-            # Never registered: it is answered once all the same, unless it is already on its
-            # way back. Already reported: vLLM has that answer in an output it had not
-            # processed when it aborted the request, and frees the request when it does; a
-            # second answer for a request vLLM no longer knows would fail its scheduler's
-            # ``assert req_id in self.requests``.
-            if reported:
-                logger.debug("kvo remote_d2h: abort of %s after its pull was reported: "
-                             "nothing to stop", request_id)
-            return
-        for pull in stopped:
-            self._stop_reads(pull)
-        self.stats.revoked += 1
-        self._return_settled()
-        logger.info("kvo remote_d2h: pull of request %s stopped: %s", request_id, reason)
+            self._pool.note_pulled(block_ids)
 
     def snapshot(self) -> dict[str, object]:
         """JSON-friendly counters for the stats file."""
@@ -370,7 +265,7 @@ class DecodePuller:
             part: attrs.asdict(stats) for part, stats in sorted(engine.per_part.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
                 "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
+                **attrs.asdict(self._pulls.counts), "per_layer": per_layer, "per_part": per_part,
                 "main_into_host_pool": self._pool is not None,
                 "device_kv": dict(self._device_kv),
                 "refused_reads": (0 if self._receiver is None
@@ -378,8 +273,8 @@ class DecodePuller:
                 "engine_wrapper": _wrapper_snapshot(engine),
                 "same_host_bytes": self._raw.direct_bytes
                 if isinstance(self._raw, SameHostEngine) else 0,
-                "in_flight": self._pulls.live,
-                "returning": self._pulls.returning,
+                "in_flight": self._pulls.table.live,
+                "returning": self._pulls.table.returning,
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads,
                 "aborted_by_prefill": (0 if self._receiver is None
                                        else self._receiver.aborted_requests),
