@@ -270,7 +270,7 @@ def soak(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff over the tree; mypy --strict over all four packages.
+    """ruff over the tree; mypy --strict over all four packages and kvo-tools.
 
     mypy runs in the full venv: checking kvo-vllm and kvo-transport needs vLLM, ZMQ and msgspec
     installed. The packages' sources are named on the command line, so mypy checks the
@@ -284,4 +284,4 @@ def lint(session: nox.Session) -> None:
     session.run(python, "-m", "ruff", "check", "packages", "tools", "tests", "noxfile.py",
                 env=env, external=True)
     session.run(python, "-m", "mypy", *(f"packages/{name}/src" for name in PACKAGES["vllm"]),
-                env=env, external=True)
+                str(TOOLS.relative_to(ROOT) / "src"), env=env, external=True)

@@ -24,7 +24,9 @@ from typing import Any
 import attrs
 import pytest
 
-Answers = list[tuple[list[int], list[float]]]
+Answer = tuple[list[int], list[float]]
+"""One greedy answer: its tokens and each token's logprob."""
+Answers = list[Answer]
 """Per prompt: the greedy tokens and each token's logprob."""
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
@@ -307,6 +309,65 @@ class PDDeployment:
         return Path(str(rank_stats_path(str(self.decode_stats_file), tp_rank)))
 
 
+DSA_MAIN_ROW_VALUES = 512 + 64
+"""Values in one token's main-KV row of the DSA model (MLA latent + rope)."""
+DSA_INDEXER_ROW_BYTES = 128 * 2
+"""Bytes of one token's DSA indexer key (bf16, unless the engine runs the C8 indexer)."""
+
+
+def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False,
+             chat: bool = False) -> Any:
+    """One greedy completion of ``prompt`` from the API server (or proxy) at ``url``
+    (``kvo_tools.pd.client``'s ``Answer``: check ``ok`` before its tokens), 300 s at most."""
+    from kvo_tools.pd.client import complete as post
+    from kvo_tools.pd.client import completion_body
+
+    return post(url, completion_body(prompt, max_tokens, stream=stream, chat=chat),
+                timeout_s=300)
+
+
+def answers_of(url: str, prompts: Mapping[str, str], max_tokens: int) -> dict[str, Answer]:
+    """``complete`` each prompt by its tag, one at a time; every request must succeed."""
+    answers = {}
+    for tag, prompt in prompts.items():
+        got = complete(url, prompt, max_tokens)
+        assert got.ok, (tag, got.error)
+        answers[tag] = (list(got.token_ids), list(got.logprobs))
+    return answers
+
+
+def own_and_pd_answers(deployment: PDDeployment, prompt: str,
+                       max_tokens: int) -> tuple[Answer, Answer]:
+    """The decode's own answer to ``prompt`` (it computes the prompt itself), then the P/D
+    answer through the proxy (the decode pulls the prompt's KV from the prefill)."""
+    own = answers_of(deployment.decode, {"own": prompt}, max_tokens)["own"]
+    return own, answers_of(deployment.proxy, {"p/d": prompt}, max_tokens)["p/d"]
+
+
+def part_bytes(stats: Mapping[str, Any], part: str) -> int:
+    """Bytes a decode's RemoteD2H stats say were pulled for ``part`` ("kv", "idx") so far."""
+    return int(stats.get("per_part", {}).get(part, {}).get("bytes", 0))
+
+
+def pulled_bytes(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, int]:
+    """Per part (main KV, indexer): the bytes pulled between two reads of a stats file."""
+    return {part: part_bytes(after, part) - part_bytes(before, part) for part in ("kv", "idx")}
+
+
+def ended_pulls(stats: Mapping[str, Any]) -> int:
+    """Requests whose pull ended (received or failed) in a decode's stats so far."""
+    return int(stats.get("received", 0)) + int(stats.get("failed", 0))
+
+
+def remote_d2h_producer(kv_port: int, deadline_s: float) -> dict[str, Any]:
+    """A prefill's transfer config: ``RemoteD2HConnector`` alone, announcing to the decode's
+    control port ``kv_port``, ``deadline_s`` for each layer and for the handshake."""
+    return {"kv_connector": "RemoteD2HConnector",
+            "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"kv_port": kv_port, "layer_deadline_s": deadline_s,
+                                          "handshake_timeout_s": deadline_s}}
+
+
 def _tp_args(tp: int) -> list[str]:
     return [] if tp == 1 else ["--tensor-parallel-size", str(tp),
                                "--distributed-executor-backend", "mp"]
@@ -358,12 +419,8 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
             env={**(TP2_WORKERS if decode_tp > 1 else {}), **(decode_env or {})},
             max_model_len=max_model_len, block_size=block_size)
         prefill = cluster.start_vllm(
-            "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(), {
-                "kv_connector": "RemoteD2HConnector",
-                "kv_connector_module_path": "kvo_vllm.remote_d2h",
-                "kv_role": "kv_producer", "kv_connector_extra_config": {
-                    "kv_port": kv_port, "layer_deadline_s": deadline_s,
-                    "handshake_timeout_s": deadline_s}},
+            "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(),
+            remote_d2h_producer(kv_port, deadline_s),
             extra_args=[*steps, *extra_args, *_tp_args(prefill_tp), *(
                 ["--additional-config", json.dumps({"kvo_sparse": dict(sparse)})]
                 if sparse else [])],

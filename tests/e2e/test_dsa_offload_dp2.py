@@ -35,23 +35,17 @@ OFFLOAD = {"kvo_sparse": {"mode": "offload"}}
 
 @attrs.frozen
 class Served:
-    answers: list[tuple[list[int], list[float]]]
+    answers: e2e.Answers
     pools: set[Path]
     pool_holders: list[set[int]]
     per_engine: dict[str, float]     # vLLM's finished requests per DP rank (engine label)
-    dp1_answers: list[tuple[list[int], list[float]]]
+    dp1_answers: e2e.Answers
 
 
-def _ask(url: str) -> list[tuple[list[int], list[float]]]:
-    from kvo_tools.pd.client import complete, completion_body
-
-    answers = []
-    for prompt in PROMPTS:   # one at a time
-        got = complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
-                       timeout_s=300)
-        assert got.ok, got.error
-        answers.append((list(got.token_ids), list(got.logprobs)))
-    return answers
+def _ask(url: str) -> e2e.Answers:
+    """Each prompt in turn (one at a time), in PROMPTS' order."""
+    prompts = {str(i): prompt for i, prompt in enumerate(PROMPTS)}
+    return list(e2e.answers_of(url, prompts, MAX_TOKENS).values())
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import _engines as e2e
 import pytest
@@ -27,8 +26,7 @@ INDEX_TOPK = 32
 BLOCK_SIZE = 64
 MAX_TOKENS = 5
 DEADLINE_S = 30.0
-ROW_BYTES = (512 + 64) * 2  # MLA latent + rope, bfloat16
-INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+ROW_BYTES = e2e.DSA_MAIN_ROW_VALUES * 2  # bfloat16
 BF16 = ["--dtype", "bfloat16"]   # after the cluster's own --dtype: the last one wins
 
 
@@ -41,13 +39,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
         yield running
 
 
-def _complete(url: str, prompt: str) -> Any:
-    from kvo_tools.pd.client import complete, completion_body
-
-    return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
-                    timeout_s=300)
-
-
 def test_bf16_pd_equals_the_decodes_own_answer(deployment: e2e.PDDeployment) -> None:
     from kvo_tools.pd.prompts import tagged_prompt
     from kvo_tools.pd.stats import decode_stats, settled_decode_stats
@@ -55,19 +46,13 @@ def test_bf16_pd_equals_the_decodes_own_answer(deployment: e2e.PDDeployment) -> 
     before = decode_stats(deployment.decode_stats_file)
     cases = [("alpha", 200), ("bravo", 140)]
     for tag, length in cases:
-        prompt = tagged_prompt(tag, length)
-        want = _complete(deployment.decode, prompt)
-        assert want.ok, (tag, want.error)
-        got = _complete(deployment.proxy, prompt)
-        assert got.ok, (tag, got.error)
-        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), tag
-    received = before.get("received", 0)
+        want, got = e2e.own_and_pd_answers(deployment, tagged_prompt(tag, length), MAX_TOKENS)
+        assert got == want, tag
     after = settled_decode_stats(deployment.decode_stats_file,
-                                 received + before.get("failed", 0) + len(cases))
-    assert after["received"] - received == len(cases)
+                                 e2e.ended_pulls(before) + len(cases))
+    assert after["received"] - before.get("received", 0) == len(cases)
     assert after.get("failed", 0) == before.get("failed", 0)
     blocks = sum((length - 1) // BLOCK_SIZE for _, length in cases) * NUM_LAYERS
-    grew = {part: after["per_part"][part]["bytes"]
-            - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
-    assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES,
-                    "idx": blocks * BLOCK_SIZE * INDEXER_ROW_BYTES}
+    assert e2e.pulled_bytes(before, after) == {
+        "kv": blocks * BLOCK_SIZE * ROW_BYTES,
+        "idx": blocks * BLOCK_SIZE * e2e.DSA_INDEXER_ROW_BYTES}

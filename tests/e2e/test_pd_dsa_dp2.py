@@ -39,22 +39,18 @@ INDEX_TOPK = 32
 BLOCK_SIZE = 64
 MAX_TOKENS = 5
 DEADLINE_S = 60.0
-ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
-INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+ROW_BYTES = e2e.DSA_MAIN_ROW_VALUES * 4  # float32
 TP2_LOGPROB_TOLERANCE = 1e-3
 TP1_CASES = [("alpha", 200), ("bravo", 140), ("charlie", 260), ("delta", 150), ("echo", 190)]
 TP2_CASES = [("foxtrot", 200), ("golf", 150), ("hotel", 170)]
 OFFLOAD = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
 STEPS = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "2"]
 
-Answer = tuple[list[int], list[float]]
-
-
 @attrs.frozen
 class PulledPhase:
     """What one prefill -> DP 2 decode phase saw."""
 
-    answers: dict[str, Answer]
+    answers: dict[str, e2e.Answer]
     records: list[dict[str, Any]]      # the proxy's record of each request, in order
     grew: dict[int, dict[str, int]]    # DP rank -> part -> bytes pulled in this phase
     pulled: dict[int, int]             # DP rank -> requests received in this phase
@@ -63,7 +59,7 @@ class PulledPhase:
 
 @attrs.frozen
 class Served:
-    want: dict[str, Answer]            # the DP 1 decode's own answers
+    want: dict[str, e2e.Answer]        # the DP 1 decode's own answers
     tp1: PulledPhase
     tp2: PulledPhase | None             # None unless KVO_E2E_HEAVY=1 (e2e.HEAVY_TP2_PD)
     kv_port: int
@@ -73,22 +69,11 @@ class Served:
     per_engine: dict[str, float]       # vLLM's finished requests per DP rank (engine label)
 
 
-def _prompt(tag: str, length: int) -> str:
+def _ask(url: str, cases: list[tuple[str, int]]) -> dict[str, e2e.Answer]:
     from kvo_tools.pd.prompts import tagged_prompt
 
-    return tagged_prompt(tag, length)
-
-
-def _ask(url: str, cases: list[tuple[str, int]]) -> dict[str, Answer]:
-    from kvo_tools.pd.client import complete, completion_body
-
-    answers = {}
-    for tag, length in cases:   # one at a time
-        got = complete(url, completion_body(_prompt(tag, length), MAX_TOKENS, stream=False,
-                                            chat=False), timeout_s=300)
-        assert got.ok, (tag, got.error)
-        answers[tag] = (list(got.token_ids), list(got.logprobs))
-    return answers
+    return e2e.answers_of(url, {tag: tagged_prompt(tag, length) for tag, length in cases},
+                          MAX_TOKENS)
 
 
 def _rank_stats(stats: Path, dp_rank: int) -> dict[str, Any]:
@@ -111,17 +96,11 @@ def _phase(proxy: str, stats: Path, cases: list[tuple[str, int]]) -> PulledPhase
     answers = _ask(proxy, cases)
     records = get_json(proxy + "/kvo/v1/metadata")["requests"][-len(cases):]
     per_rank = {rank: sum(1 for r in records if r["dp_rank"] == rank) for rank in (0, 1)}
-    ended = {rank: before[rank].get("received", 0) + before[rank].get("failed", 0)
-             + per_rank[rank] for rank in (0, 1)}
+    ended = {rank: e2e.ended_pulls(before[rank]) + per_rank[rank] for rank in (0, 1)}
     after = _settled(stats, ended)
-
-    def grown(rank: int, part: str) -> int:
-        return int(after[rank].get("per_part", {}).get(part, {}).get("bytes", 0)
-                   - before[rank].get("per_part", {}).get(part, {}).get("bytes", 0))
-
     return PulledPhase(
         answers=answers, records=records,
-        grew={rank: {part: grown(rank, part) for part in ("kv", "idx")} for rank in (0, 1)},
+        grew={rank: e2e.pulled_bytes(before[rank], after[rank]) for rank in (0, 1)},
         pulled={rank: after[rank].get("received", 0) - before[rank].get("received", 0)
                 for rank in (0, 1)},
         failed={rank: after[rank].get("failed", 0) - before[rank].get("failed", 0)
@@ -136,13 +115,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     workdir = tmp_path_factory.mktemp("pd-dsa-dp2")
     model = build_tiny_dsv32(workdir / "model", num_layers=NUM_LAYERS, index_topk=INDEX_TOPK)
     stats = workdir / "decode-stats.json"
-
-    def producer(kv_port: int) -> dict[str, Any]:
-        return {"kv_connector": "RemoteD2HConnector",
-                "kv_connector_module_path": "kvo_vllm.remote_d2h", "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"kv_port": kv_port,
-                                              "layer_deadline_s": DEADLINE_S,
-                                              "handshake_timeout_s": DEADLINE_S}}
 
     with Cluster(workdir / "logs") as cluster:
         # The reference: a DP 1 decode with the same settings, one thread like each DP rank
@@ -166,7 +138,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
             max_model_len=1024, block_size=BLOCK_SIZE)
         prefill = cluster.start_vllm(
-            "prefill-tp1", model, free_port(), producer(kv_port), extra_args=STEPS,
+            "prefill-tp1", model, free_port(), e2e.remote_d2h_producer(kv_port, DEADLINE_S),
+            extra_args=STEPS,
             env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, max_model_len=1024,
             block_size=BLOCK_SIZE)
         proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
@@ -180,7 +153,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         tp2 = None
         if e2e.RUN_TP2_PREFILL_PD:
             prefill2 = cluster.start_vllm(
-                "prefill-tp2", model, free_port(), producer(kv_port),
+                "prefill-tp2", model, free_port(), e2e.remote_d2h_producer(kv_port, DEADLINE_S),
                 extra_args=[*STEPS, "--tensor-parallel-size", "2",
                             "--distributed-executor-backend", "mp"],
                 env=e2e.TP2_WORKERS, max_model_len=1024, block_size=BLOCK_SIZE)
@@ -227,7 +200,7 @@ def test_requests_reach_both_dp_ranks_and_each_pulls_exactly_its_own(served: Ser
     for rank in (0, 1):
         assert phase.grew[rank] == {
             "kv": _full_block_bytes(TP1_CASES, ranks[rank], ROW_BYTES),
-            "idx": _full_block_bytes(TP1_CASES, ranks[rank], INDEXER_ROW_BYTES)}, rank
+            "idx": _full_block_bytes(TP1_CASES, ranks[rank], e2e.DSA_INDEXER_ROW_BYTES)}, rank
     # vLLM's own per-engine counters agree that both engines served.
     assert sorted(served.per_engine) == ["0", "1"], served.per_engine
     assert all(count >= 1 for count in served.per_engine.values()), served.per_engine
@@ -260,4 +233,4 @@ def test_tp2_prefill_feeds_the_dp2_decode(served: Served) -> None:
             continue
         assert phase.grew[rank] == {
             "kv": _full_block_bytes(TP2_CASES, ranks[rank], ROW_BYTES),
-            "idx": _full_block_bytes(TP2_CASES, ranks[rank], INDEXER_ROW_BYTES)}, rank
+            "idx": _full_block_bytes(TP2_CASES, ranks[rank], e2e.DSA_INDEXER_ROW_BYTES)}, rank

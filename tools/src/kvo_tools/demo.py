@@ -40,6 +40,7 @@ The dense Llama P/D flow is covered by ``tests/e2e/test_pd.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -161,20 +162,20 @@ def run(args: argparse.Namespace, say: Progress) -> int:
     prefill_stats, decode_stats = workdir / "prefill-stats.json", workdir / "decode-stats.json"
     steps = ["--max-num-batched-tokens", str(BLOCK_SIZE), "--max-num-seqs", "4"]
     offload = ["--additional-config", json.dumps({"kvo_sparse": {"mode": "offload"}})]
-    shape = {"max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE}
     master = start_master()
     say(f"Mooncake master on {master.address}; logs in {workdir}")
     try:
         with Cluster(workdir) as cluster:
             kv_port = free_port()
-            plain = cluster.start_vllm("plain", model, free_port(), extra_args=steps, **shape)
-            prefill = cluster.start_vllm(
-                "prefill", model, free_port(),
-                prefill_transfer_config(master.address, kv_port, prefill_stats),
-                extra_args=steps, **shape)
-            decode = cluster.start_vllm(
-                "decode", model, free_port(), decode_transfer_config(kv_port, decode_stats),
-                extra_args=[*steps, *offload], **shape)
+            start = functools.partial(cluster.start_vllm, max_model_len=MAX_MODEL_LEN,
+                                      block_size=BLOCK_SIZE)
+            plain = start("plain", model, free_port(), extra_args=steps)
+            prefill = start("prefill", model, free_port(),
+                            prefill_transfer_config(master.address, kv_port, prefill_stats),
+                            extra_args=steps)
+            decode = start("decode", model, free_port(),
+                           decode_transfer_config(kv_port, decode_stats),
+                           extra_args=[*steps, *offload])
             proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
             say("starting plain vLLM (resident, no connector), prefill vLLM (KvoMultiConnector), "
                 "decode vLLM (sparse offload + RemoteD2HConnector) and the proxy")

@@ -68,8 +68,16 @@ def _echo(socket: zmq.Socket[bytes], stop: Any) -> None:
     poller.register(socket, zmq.POLLIN)
     while not stop.is_set():
         if poller.poll(100):
-            while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while _int_option(socket, zmq.EVENTS) & zmq.POLLIN:
                 socket.send_multipart(socket.recv_multipart())
+
+
+def _int_option(socket: zmq.Socket[bytes], option: int) -> int:
+    """An integer socket option (EVENTS, FD); pyzmq types every option's value as a union."""
+    value = socket.getsockopt(option)
+    if not isinstance(value, int):
+        raise TypeError(f"socket option {option} is {value!r}, not an integer")
+    return value
 
 
 class _RawPeer:
@@ -81,12 +89,12 @@ class _RawPeer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.socket.getsockopt(zmq.FD), selectors.EVENT_READ)
+        self.selector.register(_int_option(self.socket, zmq.FD), selectors.EVENT_READ)
         self.frame = b"x" * 64
 
     def round_trip(self) -> None:
         self.socket.send(self.frame)
-        while not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not _int_option(self.socket, zmq.EVENTS) & zmq.POLLIN:
             self.selector.select(10.0)
         self.socket.recv()
 

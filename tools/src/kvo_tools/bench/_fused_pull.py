@@ -30,23 +30,11 @@ from typing import Any
 
 import torch
 
+from kvo_tools.bench.transport import serve
+
 LATENT_BYTES = 512 * 2   # bf16
 ROPE_BYTES = 64 * 2
 ROW_BYTES = LATENT_BYTES + ROPE_BYTES
-
-
-def serve(conn: Any, nbytes: int) -> None:
-    """Peer process: a registered region of known bytes, alive until told to stop."""
-    from kvo_transport.engine import create_transfer_engine
-    from kvo_transport.samehost_engine import SameHostEngine
-
-    engine = SameHostEngine(create_transfer_engine("mooncake"))
-    region = torch.randint(0, 256, (nbytes,), generator=torch.Generator().manual_seed(3),
-                           dtype=torch.uint8)
-    engine.register(region.data_ptr(), nbytes)
-    conn.send((engine.session_id, region.data_ptr()))
-    conn.recv()
-    engine.close()
 
 
 def _median(run: Callable[[], None], reps: int) -> float:

@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvo_tools.bench._inproc import inproc_scheduler
 from kvo_tools.bench.e2e_layerwise import (
     ENGINE_ENV,
     OMP_BINDINGS,
@@ -50,6 +51,8 @@ from kvo_tools.bench.e2e_layerwise import (
 
 BYPASSED_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
 """Worker hooks that return at once while the connector is bypassed."""
+PREFIX_LOOKUP = "get_num_new_matched_tokens"
+"""The scheduler hook that reports no stored prefix while the connector is bypassed."""
 
 TIMED_HOOKS = {
     "lookup": ("get_num_new_matched_tokens",),
@@ -110,12 +113,12 @@ def install_bypass(connector_class: type) -> None:
             return None if Bypass.on else _hook(self, *args, **kwargs)
 
         setattr(connector_class, name, skipped)
-    lookup = connector_class.get_num_new_matched_tokens
+    lookup = getattr(connector_class, PREFIX_LOOKUP)
 
     def no_hit(self: Any, *args: Any, **kwargs: Any) -> Any:
         return (0, False) if Bypass.on else lookup(self, *args, **kwargs)
 
-    connector_class.get_num_new_matched_tokens = no_hit
+    setattr(connector_class, PREFIX_LOOKUP, no_hit)
 
 
 KVO_PLANS = {"kvo": False, "kvo-own": True}
@@ -169,13 +172,26 @@ def release_skipped_saves(scheduler: Any, before: set[int]) -> None:
         pool.free_blocks(pool.blocks[block] for block in reversed(block_ids))
 
 
+def store_connector_scheduler(llm: Any) -> Any:
+    """The scheduler side of the peer engine's ``MooncakeStoreConnector`` (it holds the pins)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+        MooncakeStoreConnector,
+    )
+
+    connector = inproc_scheduler(llm).connector
+    if not isinstance(connector, MooncakeStoreConnector):
+        raise TypeError(f"the peer engine's connector is {type(connector).__name__}, "
+                        "expected MooncakeStoreConnector")
+    return connector.connector_scheduler
+
+
 def engine_process(channel: Connection, model: str, max_len: int, transfer: dict[str, Any],
                    env: dict[str, str]) -> None:
     """Start one engine, then answer ("ttft", token ids, bypassed) / ("stop",)."""
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ.update(env)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
     if transfer["kv_connector"] == "LayerwiseStoreConnector":
@@ -197,8 +213,7 @@ def engine_process(channel: Connection, model: str, max_len: int, transfer: dict
               kv_transfer_config=KVTransferConfig(**transfer))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     peer_scheduler = (None if transfer["kv_connector"] == "LayerwiseStoreConnector"
-                      else llm.llm_engine.engine_core.engine_core.scheduler.connector
-                      .connector_scheduler)
+                      else store_connector_scheduler(llm))
     channel.send("ready")
     while True:
         command = channel.recv()
@@ -207,7 +222,7 @@ def engine_process(channel: Connection, model: str, max_len: int, transfer: dict
             pinned = set() if peer_scheduler is None else set(peer_scheduler._pinned_saves)
             HookClock.seconds = {}
             started = time.perf_counter()
-            llm.generate([{"prompt_token_ids": command[1]}], params, use_tqdm=False)
+            llm.generate([TokensPrompt(prompt_token_ids=command[1])], params, use_tqdm=False)
             channel.send((time.perf_counter() - started, HookClock.seconds))
             if Bypass.on and peer_scheduler is not None:
                 release_skipped_saves(peer_scheduler, pinned)

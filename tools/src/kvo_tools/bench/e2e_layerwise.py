@@ -122,20 +122,20 @@ def engine_process(channel: Connection, model: str, max_len: int,
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ.update(env)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
-    extra = {} if transfer is None else {"kv_transfer_config": KVTransferConfig(**transfer)}
     llm = LLM(model=model, dtype="float32", enforce_eager=True,
               distributed_executor_backend="uni", max_model_len=max_len,
-              max_num_batched_tokens=max_len, seed=0, **extra)
+              max_num_batched_tokens=max_len, seed=0,
+              kv_transfer_config=None if transfer is None else KVTransferConfig(**transfer))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     channel.send("ready")
     while True:
         command = channel.recv()
         if command[0] == "ttft":
             started = time.perf_counter()
-            llm.generate([{"prompt_token_ids": command[1]}], params, use_tqdm=False)
+            llm.generate([TokensPrompt(prompt_token_ids=command[1])], params, use_tqdm=False)
             channel.send(time.perf_counter() - started)
         elif command[0] == "report":
             channel.send(report_of(llm, transfer))
@@ -150,7 +150,12 @@ def report_of(llm: Any, transfer: dict[str, Any] | None) -> dict[str, Any]:
     if transfer is not None and transfer["kv_connector"] == "LayerwiseStoreConnector":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+        from kvo_vllm.layerwise.connector import LayerwiseStoreConnector
+
         connector = get_kv_transfer_group()
+        if not isinstance(connector, LayerwiseStoreConnector):
+            raise TypeError(f"the engine's connector is {type(connector).__name__}, "
+                            "expected LayerwiseStoreConnector")
         stats, layout = connector.stats, connector.layout
         report.update(
             layers=layout.num_layers, physical_buffers=layout.physical_buffers,

@@ -17,6 +17,7 @@ full-layer reload of every request's cache (bf16).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -39,7 +40,7 @@ BYTES_PER_TOKEN = (LATENT_DIM + ROPE_DIM) * 2  # bf16 main KV row
 WARM_UP = 1  # untimed calls before the timed ones (0 with --quick)
 
 
-def median_ms(run: Callable[[], None], reps: int, before: Callable[[], None] | None = None,
+def median_ms(run: Callable[[], object], reps: int, before: Callable[[], None] | None = None,
               sync: Callable[[], None] = lambda: None) -> float:
     """WARM_UP untimed calls, then the median of ``reps`` timed ones (``before`` untimed)."""
     times = []
@@ -183,7 +184,7 @@ def bench_config(tokens: int, reps: int, device: str, implementation: str) -> di
                             ("quant_lightning_indexer_manage", True)):
         op = ops.quant_lightning_indexer_manage if quantised else ops.lightning_indexer_manage
         args = sc.manage_args(quantised, -1)
-        times[name] = median_ms(lambda op=op, args=args: op(*args, implementation=implementation),
+        times[name] = median_ms(functools.partial(op, *args, implementation=implementation),
                                 reps, before=sc.restore_pool, sync=sync)
     sc.restore_pool()
     ops.lightning_indexer_manage(*sc.manage_args(False, -1), implementation=implementation)

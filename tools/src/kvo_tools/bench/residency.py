@@ -177,7 +177,8 @@ def bench_one(rows: int, capacity: int, seq_len: int, trace: list[torch.Tensor],
             ref.update(topk, requests, stable, steady)
     upstream_wall: list[float] = []
     upstream_agree = True
-    if nat is not None:  # a run of its own: its idle OpenMP threads spin and would slow others
+    # The native op has a run of its own: its idle OpenMP threads spin and would slow others.
+    if native is not None and nat is not None:
         # The native op and upstream's take the selection as int32 (vLLM's indexers give
         # int32), converted here, outside the timing, once for both.
         trace = [topk.int() for topk in trace]

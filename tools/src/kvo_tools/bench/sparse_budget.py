@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvo_tools.bench._inproc import inproc_scheduler
 from kvo_tools.bench.sparse_vllm import CHUNK_TOKENS, NUM_LAYERS, _model_dir
 
 BLOCK_TOKENS = 64   # the DSA backends' block size (the indexer cache needs 64)
@@ -82,7 +83,7 @@ def budget_bytes(model: Path, tokens_per_request: int, budget_requests: int) -> 
 
 def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine, every request submitted at once, stepped to the end (in a fresh process)."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, RequestOutput, SamplingParams
 
     max_len = args.context + args.decode_tokens + 16
     tokens_per_request = args.context + args.decode_tokens
@@ -98,7 +99,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
               enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=budget,
               disable_log_stats=False, additional_config={"kvo_sparse": sparse})
     engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = inproc_scheduler(llm)
     params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.context * 31 + args.requests)
     prompts = [[rng.randrange(256) for _ in range(args.context)] for _ in range(args.requests)]
@@ -109,7 +110,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.finished:
+            if isinstance(output, RequestOutput) and output.finished:
                 finished[output.request_id] = list(output.outputs[0].token_ids)
         most_running = max(most_running, len(scheduler.running))
     wall = time.perf_counter() - start
@@ -173,10 +174,10 @@ def _environment() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:   # a child: one mode, JSON to the given file
-        mode, model, out = argv[1:4]
+        mode, model_dir, result_path = argv[1:4]
         args = parse_args(argv[4:])
         _environment()
-        Path(out).write_text(json.dumps(run_mode(Path(model), mode, args)))
+        Path(result_path).write_text(json.dumps(run_mode(Path(model_dir), mode, args)))
         return 0
     args = parse_args(argv)
     _environment()

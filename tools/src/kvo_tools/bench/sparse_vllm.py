@@ -68,7 +68,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
 
 NUM_LAYERS = 2
 INDEX_TOPK = 128
@@ -152,11 +155,14 @@ def _engine(model: Path, mode: str, max_len: int, batch: int, kernel_backend: st
     ``mtp`` > 0: MTP speculative decoding with that many draft tokens."""
     from vllm import LLM
 
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    model_dtype: ModelDType = "bfloat16" if dtype == "bfloat16" else "float32"
     blocks = batch * -(-max_len // 64) + 1
     sparse: dict[str, Any] = {"mode": mode, "indexer_kv_dtype": indexer_dtype}
     if mode == "offload":
         sparse.update(kernel_backend=kernel_backend, residency_backend=residency_backend)
-    return LLM(model=str(model), dtype=dtype, enforce_eager=True, tensor_parallel_size=tp,
+    return LLM(model=str(model), dtype=model_dtype, enforce_eager=True, tensor_parallel_size=tp,
                distributed_executor_backend="mp" if tp > 1 else "uni",
                max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=prefix_caching, seed=0,
@@ -291,7 +297,7 @@ def _record_fused_trace(trace: list[list[int]]) -> None:
             trace.append([p for p in args[13][0, 0].tolist() if p >= 0])
         calls[0] += 1
 
-    ops.lightning_indexer_manage = recording  # type: ignore[assignment]
+    ops.lightning_indexer_manage = recording
 
 
 def _pool_files() -> dict[Path, int]:
@@ -544,10 +550,10 @@ def _environment(tp: int = 1) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--pair"]:   # a child: both engines of one case, JSON to the given file
-        (context, batch, decode, model, out, kernel_backend, residency, first, index, tp,
+        (context, batch, decode, model_dir, out, kernel_backend, residency, first, index, tp,
          dtype, mtp) = argv[1:13]
         _environment(int(tp))
-        result = run_pair(Path(model), int(context), int(batch), int(decode), kernel_backend,
+        result = run_pair(Path(model_dir), int(context), int(batch), int(decode), kernel_backend,
                           residency, offload_first=first == "1", indexer_dtype=index,
                           tp=int(tp), dtype=dtype, mtp=int(mtp))
         Path(out).write_text(json.dumps(result))

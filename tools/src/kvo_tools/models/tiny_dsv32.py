@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from kvo_tools.models.tiny_llama import _byte_level_tokenizer
+from kvo_tools.models.tiny_llama import _byte_level_tokenizer, _save_seeded
 
 MARKER = "kvo_tiny_dsv32.json"
 """Written last; its presence (with matching parameters) means a complete build."""
@@ -62,7 +62,6 @@ def build_tiny_dsv32(path: str | os.PathLike[str], num_layers: int = 2, index_to
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return target
 
-    import torch
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     tokenizer = _byte_level_tokenizer()
@@ -80,17 +79,7 @@ def build_tiny_dsv32(path: str | os.PathLike[str], num_layers: int = 2, index_to
         pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
     )
     config.architectures = ["DeepseekV32ForCausalLM"]
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = DeepseekV32ForCausalLM(config).to(torch.float32)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    target.mkdir(parents=True, exist_ok=True)
-    if marker.exists():
-        marker.unlink()
-    model.save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
+    _save_seeded(DeepseekV32ForCausalLM, config, seed, tokenizer, target, marker)
     if mtp:
         _add_mtp_layer(target, seed)
     marker.write_text(json.dumps(wanted))

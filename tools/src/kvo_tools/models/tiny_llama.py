@@ -18,6 +18,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 BOS, EOS = "<s>", "</s>"
 HEAD_DIM = 32
@@ -26,7 +30,7 @@ MARKER = "kvo_tiny_llama.json"
 """Written last; its presence (with matching parameters) means a complete build."""
 
 
-def _byte_level_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+def _byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer without merges: one token per byte, plus BOS/EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -64,7 +68,6 @@ def build_tiny_llama(path: str | os.PathLike[str], num_layers: int = 8, seed: in
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return target
 
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _byte_level_tokenizer()
@@ -84,19 +87,28 @@ def build_tiny_llama(path: str | os.PathLike[str], num_layers: int = 8, seed: in
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
+    _save_seeded(LlamaForCausalLM, config, seed, tokenizer, target, marker)
+    marker.write_text(json.dumps(wanted))
+    return target
+
+
+def _save_seeded(model_class: type[PreTrainedModel], config: PretrainedConfig, seed: int,
+                 tokenizer: PreTrainedTokenizerFast, target: Path, marker: Path) -> None:
+    """Write a float32 ``model_class(config)`` with weights drawn from ``seed`` (the global
+    torch generator put back afterwards) and ``tokenizer`` to ``target``, removing the build
+    ``marker`` first (a build is complete once its caller writes that again)."""
+    import torch
+
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
     target.mkdir(parents=True, exist_ok=True)
-    if marker.exists():
-        marker.unlink()
+    marker.unlink(missing_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
-    marker.write_text(json.dumps(wanted))
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:

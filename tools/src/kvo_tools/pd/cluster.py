@@ -274,7 +274,10 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0
 
 def get_json(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return json.loads(response.read())
+        body = json.loads(response.read())
+    if not isinstance(body, dict):
+        raise ClusterError(f"GET {url} answered {type(body).__name__}, not a JSON object")
+    return body
 
 
 @contextlib.contextmanager

@@ -30,14 +30,14 @@ def _device_zero_without_accelerator() -> Iterator[None]:
         yield
         return
     original = torch.accelerator.current_device_index
-    torch.accelerator.current_device_index = lambda: 0  # type: ignore[assignment]
+    torch.accelerator.current_device_index = lambda: 0
     try:
         yield
     finally:
-        torch.accelerator.current_device_index = original  # type: ignore[assignment]
+        torch.accelerator.current_device_index = original
 
 
-class CpuMooncakeConnector(MooncakeConnector):  # type: ignore[misc]
+class CpuMooncakeConnector(MooncakeConnector):
     """``MooncakeConnector`` that starts on a CPU-only host (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:

@@ -24,9 +24,6 @@ moves both or fails the layer. Per request:
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -43,8 +40,10 @@ from kvo_transport.control import (
     DestinationLayer,
     RequestDestination,
 )
+from kvo_transport.decode_pulls import DecodePulls, invalid_blocks
 from kvo_transport.engine import TransferEngine
 from kvo_transport.frame_auth import control_key
+from kvo_transport.pull_lifecycle import DeadlinePolicy
 from kvo_transport.samehost_engine import SameHostEngine
 from kvo_vllm.remote_d2h.fused_pool_split import RowSplittingEngine, StagingArena
 from kvo_vllm.remote_d2h.guarded_engine import EngineWrapper, GuardedEngine, LayerRegion
@@ -70,44 +69,18 @@ for one to finish (it returns as soon as one does). vLLM steps such a decode aga
 waiting for pulls burnt more CPU than the prefill computing the prompts (docs/benchmarks.md).
 A new request reaching such a decode waits at most this long longer to be scheduled."""
 
-REPORTED_MEMORY = 65536
-"""How many reported request ids the worker remembers (an abort that crossed the report)."""
 PoolFinder = Callable[[Mapping[str, torch.Tensor], KVLayout], "PoolDestination | None"]
 """(vLLM's caches, their layout) -> the host pool main KV lands in, or None (vLLM's cache)."""
 
 
-@attrs.define
-class _Recv:
-    target: RecvTarget
-    destination: RequestDestination
-    registered_at: float
-    last_seen: float | None = None
-
-
-@attrs.define
-class _Returning:
-    """A request given up on whose blocks go back to vLLM once no read can write them."""
-
-    target: RecvTarget
-    invalid: set[int]
-    reason: str | None
-    """Why it failed (None: vLLM aborted it, nothing to report as a load error)."""
-
-
-@attrs.define
-class DecodeStats:
-    """Counters since start-up (read by tests, the demo and the benchmark)."""
-
-    registered: int = 0
-    received: int = 0
-    failed: int = 0
-    deadline_failures: int = 0
-    revoked: int = 0
-    invalid_blocks_reported: int = 0
-
-
 class DecodePuller:
-    """Owns the decode rank's engine, receiver and destinations (one per worker)."""
+    """Owns the decode rank's engine, receiver and destinations (one per worker).
+
+    Each request's pull is owned by the transport's ``DecodePulls`` (kvo_transport.
+    decode_pulls: one state machine per pull, registered -> reading -> received, or returning
+    -> returned, then reported); this worker registers and stops pulls as vLLM's scheduler
+    says, and maps what it reports onto vLLM's finished requests and invalid blocks.
+    """
 
     def __init__(self, *, config: RemoteD2HConfig, tp_rank: int, tp_size: int, dp_rank: int,
                  dp_size: int = 1, device_index: int | None = None,
@@ -121,13 +94,9 @@ class DecodePuller:
         """This worker's accelerator on its node (MemFabric's default device)."""
         self.port = control_port(config.kv_port, dp_rank, tp_rank, tp_size)
         self._engine_wrapper = engine_wrapper
-        self.stats = DecodeStats()
-        self._lock = threading.Lock()
-        self._recvs: dict[str, _Recv] = {}  # transfer id -> state
-        self._finished: set[str] = set()  # vLLM request ids to report received
-        self._reported: OrderedDict[str, None] = OrderedDict()  # reported before, oldest first
-        self._invalid: set[int] = set()
-        self._returning: list[_Returning] = []
+        self._pulls = DecodePulls(DeadlinePolicy(
+            first_ready_s=config.handshake_timeout_s + config.layer_deadline_s,
+            next_ready_s=config.layer_deadline_s))
         self._notifier = Notifier("kvo-decode-notify", control_key(config.control_secret))
         self._engine: GuardedEngine | None = None
         self._raw: TransferEngine | None = None
@@ -135,7 +104,6 @@ class DecodePuller:
         self._watchdog: StepWatchdog | None = None
         self._registered: list[int] = []
         self._pool: PoolDestination | None = None
-        self._has_indexer = False
         self._device_kv: dict[str, int] = {}
         self._idle = False
 
@@ -163,7 +131,6 @@ class DecodePuller:
         refuse_untested_dsa_decode_tp(layout.has_indexer, self.tp_size)
         refuse_untested_fused_decode_tp(pool, self.tp_size)
         self._pool = pool
-        self._has_indexer = layout.has_indexer
         self._device_kv = device_kv_bytes(layout, pool)
         config = self.config
         tensors = [t for layer in layout.layers for _, t in layer.tensors()]
@@ -214,12 +181,14 @@ class DecodePuller:
         share = main_share(pool, self.tp_rank, self.tp_size)
         self._receiver = DecodeReceiver(
             engine=self._engine, layout=DecodeLayout(dest_layers, main_share=share),
-            resolve=self._resolve,
+            resolve=self._pulls.resolve,
             decode_tp=self.tp_size, d_rank=self.tp_rank, host=config.local_hostname,
             port=self.port, read_retries=config.read_retries,
-            retry_backoff_s=config.retry_backoff_s, on_invalid=self._on_invalid,
+            retry_backoff_s=config.retry_backoff_s, on_invalid=self._pulls.on_invalid,
             control_secret=config.control_secret,
             destination_wait_s=config.destination_wait_s).start()
+        self._pulls.attach(self._receiver, indexer=layout.has_indexer,
+                           on_written=self._note_pulled)
         self._watchdog = StepWatchdog(
             name=f"decode DP rank {self.dp_rank} TP rank {self.tp_rank}/{self.tp_size}",
             threshold_s=max(1.0, config.layer_deadline_s / 2),
@@ -237,7 +206,7 @@ class DecodePuller:
     def _waiting_for_the_step(self) -> int:
         """Registered pulls plus READYs parked until the step registers their destination."""
         receiver = self._receiver
-        return len(self._recvs) + (0 if receiver is None else receiver.waiting_readies)
+        return self._pulls.table.live + (0 if receiver is None else receiver.waiting_readies)
 
     # -- per step -----------------------------------------------------------------------
 
@@ -248,7 +217,7 @@ class DecodePuller:
         for target in metadata.recvs:
             self._register(target)
         for request_id in metadata.revoked_recvs:
-            self._revoke_request(request_id, "aborted by vLLM")
+            self._pulls.stop(request_id, "aborted by vLLM")
         if self._receiver is not None:
             for transfer_id in metadata.declined_recvs:
                 self._receiver.decline(transfer_id)
@@ -256,183 +225,36 @@ class DecodePuller:
     def _register(self, target: RecvTarget) -> None:
         destination = RequestDestination(main_block_ids=target.block_ids,
                                          first_block=target.skip_blocks)
-        if self._receiver is not None:
-            self._receiver.restore(*self._blocks(target))
-        with self._lock:
-            self._recvs[target.transfer_id] = _Recv(target=target, destination=destination,
-                                                    registered_at=time.monotonic())
-            self.stats.registered += 1
-        aborted = None if self._receiver is None else self._receiver.aborted(target.transfer_id)
-        if aborted is not None:  # the prefill gave it up before its blocks were registered
-            self._complete(target.transfer_id, aborted)
-            return
+        if not self._pulls.register(target.transfer_id, target.request_id, destination):
+            return  # the prefill gave it up before its blocks were registered
         ready = DecodeReady(transfer_id=target.transfer_id, d_rank=self.tp_rank,
                             decode_tp=self.tp_size, endpoint=self.endpoint,
                             skip_blocks=target.skip_blocks, num_blocks=len(target.block_ids),
                             dp_rank=self.dp_rank, dp_size=self.dp_size)
         self._notifier.post(target.notify_url, ready.to_json())
 
-    def _blocks(self, target: RecvTarget) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(main, indexer) destination blocks of a request: the same vLLM block ids (one
-        block table), the indexer's only where the layers have an indexer cache."""
-        return target.block_ids, target.block_ids if self._has_indexer else ()
-
-    def _resolve(self, transfer_id: str) -> RequestDestination | None:
-        """The receiver's resolver (its thread): a live destination, or None."""
-        with self._lock:
-            recv = self._recvs.get(transfer_id)
-            if recv is None:
-                return None
-            recv.last_seen = time.monotonic()
-            return recv.destination
-
-    def _on_invalid(self, transfer_id: str, layer: int, main: tuple[int, ...],
-                    indexer: tuple[int, ...], reason: str) -> None:
-        """A pull failed (receiver thread): no later READY may write this destination."""
-        with self._lock:
-            recv = self._recvs.get(transfer_id)
-        if recv is not None and self._receiver is not None:
-            self._receiver.revoke(*self._blocks(recv.target))
-
     # -- results ------------------------------------------------------------------------
 
     def collect(self) -> tuple[set[str], set[int]]:
         """(request ids received or given up since the last call, their invalid blocks)."""
-        receiver = self._receiver
-        if receiver is None:
+        if self._receiver is None:
             return set(), set()
         if self._watchdog is not None:
             self._watchdog.stepped()
-        with self._lock:
-            waiting = self._idle and bool(self._recvs)
-        if waiting:
+        wait_s = 0.0
+        if self._idle and self._pulls.table.live:
             # Nothing to compute this step: sleep until a pull ends (or briefly) rather than
             # have vLLM step again at once (IDLE_WAIT_S). Never longer: a new request may wait.
             self._idle = False
-            receiver.wait_finished(IDLE_WAIT_S)
-        finished, failed = receiver.pop_finished()
-        for transfer_id in finished:
-            self._complete(transfer_id, None)
-        for transfer_id, reason in failed.items():
-            self._complete(transfer_id, reason)
-        self._expire_deadlines()
-        self._return_settled()
-        with self._lock:
-            done, self._finished = self._finished, set()
-            invalid, self._invalid = self._invalid, set()
-            for request_id in done:
-                self._reported[request_id] = None
-            while len(self._reported) > REPORTED_MEMORY:
-                self._reported.popitem(last=False)
-        return done, invalid
+            wait_s = IDLE_WAIT_S
+        reported = self._pulls.collect(wait_s)
+        return {pull.request_id for pull in reported}, invalid_blocks(reported)
 
-    def _complete(self, transfer_id: str, failure: str | None) -> None:
-        with self._lock:
-            recv = self._recvs.pop(transfer_id, None)
-        if recv is None:
-            return  # revoked or expired earlier; already answered
-        target = recv.target
-        if failure is None:
-            self._note_pulled(target)
-            with self._lock:
-                self.stats.received += 1
-                self._finished.add(target.request_id)
-            return
-        invalid: set[int] = set()
-        if self._receiver is not None:
-            self._receiver.revoke(*self._blocks(target))
-            found = self._receiver.invalid_blocks(transfer_id)
-            invalid = set(found.main) | set(found.indexer)  # one block table for both
-            self._receiver.forget(transfer_id)
-        self._fail(target, invalid, failure)
-
-    def _note_pulled(self, target: RecvTarget) -> None:
+    def _note_pulled(self, block_ids: tuple[int, ...]) -> None:
         """Tell the host pool's owner which blocks a pull wrote (step thread: before vLLM may
         schedule the request, and never while a forward reads the residency state)."""
         if self._pool is not None:
-            self._pool.note_pulled(target.block_ids)
-
-    def _fail(self, target: RecvTarget, invalid: set[int], reason: str) -> None:
-        if not invalid:  # nothing specific: every block that was to be pulled is suspect
-            invalid = {b for b in target.block_ids if b >= 0}
-        logger.warning("kvo remote_d2h: pull of request %s (transfer %s) failed, %d block(s) "
-                       "go to vLLM's load-failure path once no read can write them: %s",
-                       target.request_id, target.transfer_id, len(invalid), reason)
-        with self._lock:
-            self._returning.append(_Returning(target=target, invalid=invalid, reason=reason))
-        self._return_settled()
-
-    def _return_settled(self) -> None:
-        """Report given-up requests whose blocks no read can write any more (never waits)."""
-        receiver = self._receiver
-        with self._lock:
-            waiting, self._returning = self._returning, []
-        ready: list[_Returning] = []
-        still: list[_Returning] = []
-        for item in waiting:
-            settled = receiver is None or receiver.settled(*self._blocks(item.target))
-            (ready if settled else still).append(item)
-        for item in ready:  # settled: no late slice can land after this
-            self._note_pulled(item.target)
-        with self._lock:
-            self._returning.extend(still)
-            for item in ready:
-                if item.reason is not None:
-                    self.stats.failed += 1
-                    self.stats.invalid_blocks_reported += len(item.invalid)
-                    self._invalid |= item.invalid
-                self._finished.add(item.target.request_id)
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        first_wait = self.config.handshake_timeout_s + self.config.layer_deadline_s
-        expired = []
-        with self._lock:
-            for transfer_id, recv in self._recvs.items():
-                waited_since = recv.registered_at if recv.last_seen is None else recv.last_seen
-                limit = first_wait if recv.last_seen is None else self.config.layer_deadline_s
-                if now - waited_since > limit:
-                    expired.append((transfer_id, recv, limit))
-            for transfer_id, _, _ in expired:
-                del self._recvs[transfer_id]
-        for transfer_id, recv, limit in expired:
-            if self._receiver is not None:
-                self._receiver.revoke(*self._blocks(recv.target))
-                self._receiver.forget(transfer_id)
-            with self._lock:
-                self.stats.deadline_failures += 1
-            what = "no READY arrived" if recv.last_seen is None else "no further READY arrived"
-            self._fail(recv.target, set(),
-                       f"{what} within {limit:g} s (prefill lost or too slow)")
-
-    def _revoke_request(self, request_id: str, reason: str) -> None:
-        """vLLM aborted a request still waiting for its pull: stop it, answer once."""
-        with self._lock:
-            found = [(t, r) for t, r in self._recvs.items() if r.target.request_id == request_id]
-            for transfer_id, _ in found:
-                del self._recvs[transfer_id]
-            if not found:
-                # Never registered: vLLM still waits for one answer, unless the request is
-                # already on its way back (reported once settled). Already reported: vLLM has
-                # that answer in an output it had not processed when it aborted the request,
-                # and frees the request when it does; a second answer for a request vLLM no
-                # longer knows would fail its scheduler's ``assert req_id in self.requests``.
-                if request_id in self._reported:
-                    logger.debug("kvo remote_d2h: abort of %s after its pull was reported: "
-                                 "nothing to stop", request_id)
-                elif all(item.target.request_id != request_id for item in self._returning):
-                    self._finished.add(request_id)
-                return
-        for transfer_id, recv in found:
-            if self._receiver is not None:
-                self._receiver.revoke(*self._blocks(recv.target))
-                self._receiver.forget(transfer_id)
-        with self._lock:
-            self.stats.revoked += 1
-            self._returning.extend(_Returning(target=recv.target, invalid=set(), reason=None)
-                                   for _, recv in found)
-        self._return_settled()
-        logger.info("kvo remote_d2h: pull of request %s stopped: %s", request_id, reason)
+            self._pool.note_pulled(block_ids)
 
     def snapshot(self) -> dict[str, object]:
         """JSON-friendly counters for the stats file."""
@@ -443,7 +265,7 @@ class DecodePuller:
             part: attrs.asdict(stats) for part, stats in sorted(engine.per_part.items())}
         return {"role": "decode", "endpoint": None if self._receiver is None else self.endpoint,
                 "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                **attrs.asdict(self.stats), "per_layer": per_layer, "per_part": per_part,
+                **attrs.asdict(self._pulls.counts), "per_layer": per_layer, "per_part": per_part,
                 "main_into_host_pool": self._pool is not None,
                 "device_kv": dict(self._device_kv),
                 "refused_reads": (0 if self._receiver is None
@@ -451,8 +273,8 @@ class DecodePuller:
                 "engine_wrapper": _wrapper_snapshot(engine),
                 "same_host_bytes": self._raw.direct_bytes
                 if isinstance(self._raw, SameHostEngine) else 0,
-                "in_flight": len(self._recvs),
-                "returning": len(self._returning),
+                "in_flight": self._pulls.table.live,
+                "returning": self._pulls.table.returning,
                 "stale_reads": 0 if self._receiver is None else self._receiver.stale_reads,
                 "aborted_by_prefill": (0 if self._receiver is None
                                        else self._receiver.aborted_requests),
