@@ -25,9 +25,9 @@ from kvo_core.gates import RequestCompletionTracker, SlotGates
 from kvo_transport.address_spans import AddressSpans
 from kvo_transport.control import LayerMeta, PrefillPublisher, TensorGroup
 from kvo_transport.engine import DelegatingEngine, TransferEngine, create_transfer_engine
-from kvo_vllm.remote_d2h.decode_worker import IDLE_WAIT_S, DecodePuller
+from kvo_vllm.remote_d2h.decode_worker import DecodePuller
 from kvo_vllm.remote_d2h.guarded_engine import LayerRegion
-from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
+from kvo_vllm.remote_d2h.metadata import IDLE_WAIT_S, RecvTarget, RemoteD2HMetadata
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("KVO_IN_NETNS") != "1",
@@ -253,6 +253,44 @@ def test_an_idle_step_sleeps_for_the_pull_instead_of_polling(
         assert calls <= elapsed / IDLE_WAIT_S + 2
     finally:
         prefill.close()
+        puller.close()
+
+
+def test_an_idle_prefill_step_sleeps_for_the_reads_instead_of_polling() -> None:
+    """kvo-vllm's prefill worker, its request's layers published and the decode reading them
+    slowly (4 x 0.1 s): each step with nothing to compute waits in ``finished_sending`` (up to
+    IDLE_WAIT_S) for a send to end instead of returning at once. Polled back to back, the
+    worker answers at most once per wait (without the wait: as often as the loop can call it;
+    a TP 2 prefill doing that starved a decode on the same 2-CPU host of CPU time), and the
+    request is reported once its reads are done."""
+    from kvo_vllm.remote_d2h.metadata import SendChunk
+    from kvo_vllm.remote_d2h.prefill_worker import PrefillSender
+
+    sender = PrefillSender(config=RemoteD2HConfig(kv_port=free_port(), layer_deadline_s=30.0,
+                                                  handshake_timeout_s=30.0),
+                           tp_rank=0, tp_size=1, instance_id="prefill-idle")
+    puller, _ = make_puller(0.1)
+    try:
+        sender.register_kv_caches({layer(i): torch.ones(BLOCKS, *BLOCK_SHAPE)
+                                   for i in range(LAYERS)})
+        register(puller, "t10")
+        sender.start_step(RemoteD2HMetadata(sends=(SendChunk(
+            request_id="req-t10", transfer_id="t10", decode_endpoints=(puller.endpoint,),
+            start_block=0, block_ids=SRC_BLOCKS, last=True),)))
+        for i in range(LAYERS):
+            sender.publish_layer(layer(i))
+        done = sender.finished_sending({"req-t10"})
+        started, calls = time.monotonic(), 0
+        while "req-t10" not in done and time.monotonic() - started < WAIT:
+            sender.start_step(RemoteD2HMetadata(idle=True))
+            done = sender.finished_sending(set())
+            calls += 1
+        elapsed = time.monotonic() - started
+        assert "req-t10" in done and sender.stats.sends_done == 1, sender.stats
+        assert elapsed >= 0.3  # the reads took their time: the loop really polled meanwhile
+        assert calls <= elapsed / IDLE_WAIT_S + 2, (calls, elapsed)
+    finally:
+        sender.close()
         puller.close()
 
 

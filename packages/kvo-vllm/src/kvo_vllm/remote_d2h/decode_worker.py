@@ -54,7 +54,7 @@ from kvo_vllm.remote_d2h.kv_caches import (
     merged_regions,
     transfer_engine_for,
 )
-from kvo_vllm.remote_d2h.metadata import RecvTarget, RemoteD2HMetadata
+from kvo_vllm.remote_d2h.metadata import IDLE_WAIT_S, RecvTarget, RemoteD2HMetadata
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import DecodeReady
 from kvo_vllm.remote_d2h.pool_destination import PoolDestination, device_kv_bytes
@@ -62,12 +62,6 @@ from kvo_vllm.remote_d2h.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.005
-"""On a step that schedules no tokens while pulls are in flight, how long ``collect`` waits
-for one to finish (it returns as soon as one does). vLLM steps such a decode again after a
-1 ms sleep, and each empty step costs about as much CPU time: without this wait a decode
-waiting for pulls burnt more CPU than the prefill computing the prompts (docs/benchmarks.md).
-A new request reaching such a decode waits at most this long longer to be scheduled."""
 
 PoolFinder = Callable[[Mapping[str, torch.Tensor], KVLayout], "PoolDestination | None"]
 """(vLLM's caches, their layout) -> the host pool main KV lands in, or None (vLLM's cache)."""

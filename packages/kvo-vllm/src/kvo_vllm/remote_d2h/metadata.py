@@ -10,6 +10,15 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+IDLE_WAIT_S = 0.005
+"""On an ``idle`` step (no tokens scheduled) while transfers are in flight, how long a worker
+waits for one to finish before answering vLLM (it returns as soon as one does). vLLM steps such
+an engine again after a 1 ms sleep and each empty step costs about as much CPU time as that:
+without the wait a decode waiting for pulls, or a prefill waiting for its READYs to be read,
+loops as fast as it can (on a small host that starved the other engine of CPU time; see
+docs/benchmarks.md and docs/troubleshooting.md). A new request reaching such an engine waits at
+most this long longer to be scheduled."""
+
 
 @dataclass(frozen=True)
 class SendChunk:

@@ -62,7 +62,7 @@ from kvo_vllm.remote_d2h.kv_caches import (
     merged_regions,
     transfer_engine_for,
 )
-from kvo_vllm.remote_d2h.metadata import RemoteD2HMetadata, SendChunk
+from kvo_vllm.remote_d2h.metadata import IDLE_WAIT_S, RemoteD2HMetadata, SendChunk
 from kvo_vllm.remote_d2h.notify import Notifier
 from kvo_vllm.remote_d2h.params import PrefillFailed
 
@@ -139,6 +139,8 @@ class PrefillSender:
         self._step = 0
         self._chunks: tuple[SendChunk, ...] = ()
         self._published_in_step: set[int] = set()
+        self._idle = False
+        """This step schedules no tokens (``finished_sending`` may wait for a send to end)."""
         self._model_pass_over = False
         """``finished_sending`` ran this step: only draft layers may still be published."""
         self._notifier = Notifier("kvo-prefill-notify", control_key(config.control_secret))
@@ -208,6 +210,7 @@ class PrefillSender:
     def start_step(self, metadata: RemoteD2HMetadata) -> None:
         self._step += 1
         self._published_in_step = set()
+        self._idle = metadata.idle
         self._model_pass_over = False
         if self._fences is not None:
             for transfer_id in metadata.preempted_sends:  # before this forward reuses blocks
@@ -429,6 +432,14 @@ class PrefillSender:
             self._model_pass_over = True   # with this step's chunks, until end_step
         else:
             self._chunks = ()
+        if self._idle:
+            # Nothing computed this step: sleep until a send ends (or briefly) rather than
+            # have vLLM step again at once while the decode reads (IDLE_WAIT_S).
+            self._idle = False
+            with self._lock:
+                sending = bool(self._sends)
+            if sending:
+                self._tracker.wait_finished(IDLE_WAIT_S)
         self._drain_tracker()
         now = time.monotonic()
         with self._lock:
