@@ -156,7 +156,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 "prefill-tp2", model, free_port(), e2e.remote_d2h_producer(kv_port, DEADLINE_S),
                 extra_args=[*STEPS, "--tensor-parallel-size", "2",
                             "--distributed-executor-backend", "mp"],
-                env=e2e.TP2_WORKERS, max_model_len=1024, block_size=BLOCK_SIZE)
+                env=e2e.TP2_PD_WORKERS, max_model_len=1024, block_size=BLOCK_SIZE)
             proxy2 = cluster.start_proxy(free_port(), prefill2.url or "", decode.url or "",
                                          name="proxy-tp2")
             wait_healthy([prefill2, proxy2], 900)

@@ -2,7 +2,7 @@
 
 Real vLLM API servers and the kvo proxy, started once for the module: a prefill serving the
 tiny random ``DeepseekV32ForCausalLM`` (4 layers, index_topk 32) with tensor parallel 2 (``mp``
-executor, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) and ``RemoteD2HConnector`` alone, and a decode in
+executor, workers unbound: ``e2e.TP2_PD_WORKERS``) and ``RemoteD2HConnector`` alone, and a decode in
 kvo's offload mode (main KV in its host pool, the indexer cache on the device) with
 ``RemoteD2HConnector``. With P = 2 and D = 1 both prefill members belong to decode rank 0's
 contribution group: member 0 sends the (replicated) main KV, the two members split each
