@@ -37,11 +37,12 @@ loopback, with a small CPU KV cache. The nox session sets the last three itself.
 TP2_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """One core for each of the two TP workers of a TP 2 engine."""
 
-TP2_PD_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-"""TP 2 engines of a P/D pair leave their workers unbound: with a TP 2 prefill and a decode
-each binding one worker per core of this 2-CPU host, the kernel left runnable threads (the
-decode's workers, even an unrelated process) waiting on the run queue for a whole layer
-deadline while the waiting engine cores spun in vLLM's message queue (docs/testing.md)."""
+UNBOUND_PD_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""Multi-process engines of a P/D pair (TP 2, DP 2) leave their workers unbound: with a TP 2
+prefill and a decode each binding one worker per core of this 2-CPU host, the kernel left
+runnable threads (the decode's workers, even an unrelated process) waiting on the run queue
+for a whole layer deadline while the waiting engine cores spun in vLLM's message queue
+(docs/testing.md)."""
 
 NEEDS_NETNS = pytest.mark.skipif(
     os.environ.get("KVO_IN_NETNS") != "1",
@@ -56,7 +57,7 @@ HEAVY_TP2_PD = pytest.mark.skipif(
     not RUN_TP2_PREFILL_PD,
     reason="P/D from a TP 2 prefill runs on demand only (KVO_E2E_HEAVY=1) until fresh-clone "
            "runs show it passing: with workers bound one per core on a 2-CPU host it stalled for "
-           "a layer deadline (CPU starvation, docs/testing.md); now unbound (TP2_PD_WORKERS)")
+           "a layer deadline (CPU starvation, docs/testing.md); now unbound (UNBOUND_PD_WORKERS)")
 
 
 @contextlib.contextmanager
@@ -390,11 +391,11 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                       speculative_tokens: int = 0) -> Iterator[PDDeployment]:
     """A tiny DSA model served P/D through the kvo proxy: a prefill (kvo's sparse backend,
     resident mode, ``RemoteD2HConnector`` alone) and a decode in kvo's ``decode_mode``
-    (default offload: main KV in its host pool), each at
-    its TP (``mp`` executor, ``TP2_PD_WORKERS``: unbound), both stepping ``block_size`` tokens at a
-    time; ``extra_args`` go to both servers, ``sparse`` (``kvo_sparse`` settings, e.g. the
-    indexer dtype) to both too, ``decode_kernel_backend`` to the decode alone, ``decode_env``
-    to the decode (e.g. the tests' fault injection, ``kvo_tools.pd.sites.faulty_decode_env``);
+    (default offload: main KV in its host pool), each at its TP (``mp`` executor, workers
+    unbound: ``UNBOUND_PD_WORKERS``), both stepping ``block_size`` tokens at a time;
+    ``extra_args`` go to both servers, ``sparse`` (``kvo_sparse`` settings, e.g. the indexer
+    dtype) to both too, ``decode_kernel_backend`` to the decode alone, ``decode_env`` to the
+    decode (e.g. the tests' fault injection, ``kvo_tools.pd.sites.faulty_decode_env``);
     decode reads fail at once (no retries) and a failed pull is recomputed.
     ``speculative_tokens`` > 0: the model gets one MTP layer and both servers draft that many
     tokens with it (``speculative_config`` method ``mtp``)."""
@@ -421,7 +422,7 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
                                    layer_deadline_s=deadline_s, read_retries=0),
             extra_args=[*steps, *extra_args, *_tp_args(decode_tp), "--additional-config",
                         json.dumps({"kvo_sparse": decode_sparse})],
-            env={**(TP2_PD_WORKERS if decode_tp > 1 else {}), **(decode_env or {})},
+            env={**(UNBOUND_PD_WORKERS if decode_tp > 1 else {}), **(decode_env or {})},
             max_model_len=max_model_len, block_size=block_size)
         prefill = cluster.start_vllm(
             "prefill" if prefill_tp == 1 else f"prefill-tp{prefill_tp}", model, free_port(),
@@ -429,7 +430,7 @@ def pd_dsa_deployment(workdir: Path, *, num_layers: int, index_topk: int, block_
             extra_args=[*steps, *extra_args, *_tp_args(prefill_tp), *(
                 ["--additional-config", json.dumps({"kvo_sparse": dict(sparse)})]
                 if sparse else [])],
-            env=TP2_PD_WORKERS if prefill_tp > 1 else None, max_model_len=max_model_len,
+            env=UNBOUND_PD_WORKERS if prefill_tp > 1 else None, max_model_len=max_model_len,
             block_size=block_size)
         proxy = cluster.start_proxy(free_port(), prefill.url or "", decode.url or "")
         wait_healthy([decode, prefill, proxy], 900)

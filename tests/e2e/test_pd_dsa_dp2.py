@@ -135,7 +135,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             "decode-dp2", model, free_port(), decode_transfer_config(
                 kv_port, stats, layer_deadline_s=DEADLINE_S, read_retries=0),
             extra_args=["--data-parallel-size", "2", *STEPS, *OFFLOAD],
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **e2e.UNBOUND_PD_WORKERS},
             max_model_len=1024, block_size=BLOCK_SIZE)
         prefill = cluster.start_vllm(
             "prefill-tp1", model, free_port(), e2e.remote_d2h_producer(kv_port, DEADLINE_S),
@@ -156,7 +156,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 "prefill-tp2", model, free_port(), e2e.remote_d2h_producer(kv_port, DEADLINE_S),
                 extra_args=[*STEPS, "--tensor-parallel-size", "2",
                             "--distributed-executor-backend", "mp"],
-                env=e2e.TP2_PD_WORKERS, max_model_len=1024, block_size=BLOCK_SIZE)
+                env=e2e.UNBOUND_PD_WORKERS, max_model_len=1024, block_size=BLOCK_SIZE)
             proxy2 = cluster.start_proxy(free_port(), prefill2.url or "", decode.url or "",
                                          name="proxy-tp2")
             wait_healthy([prefill2, proxy2], 900)

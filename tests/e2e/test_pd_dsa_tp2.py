@@ -2,8 +2,8 @@
 
 Real vLLM API servers and the kvo proxy, started once for the module: a prefill serving the
 tiny random ``DeepseekV32ForCausalLM`` (4 layers, index_topk 32) with tensor parallel 2 (``mp``
-executor, workers unbound: ``e2e.TP2_PD_WORKERS``) and ``RemoteD2HConnector`` alone, and a decode in
-kvo's offload mode (main KV in its host pool, the indexer cache on the device) with
+executor, workers unbound: ``e2e.UNBOUND_PD_WORKERS``) and ``RemoteD2HConnector`` alone, and a
+decode in kvo's offload mode (main KV in its host pool, the indexer cache on the device) with
 ``RemoteD2HConnector``. With P = 2 and D = 1 both prefill members belong to decode rank 0's
 contribution group: member 0 sends the (replicated) main KV, the two members split each
 chunk's indexer blocks (with one-block chunks one member's share is empty: it still answers).

@@ -2,7 +2,7 @@
 
 Real vLLM API servers and the kvo proxy (``_engines.pd_dsa_deployment``): a prefill serving the
 tiny random ``DeepseekV32ForCausalLM`` at TP 2 with ``RemoteD2HConnector`` alone, and a decode
-at TP 2 (``mp`` executor, workers unbound: ``e2e.TP2_PD_WORKERS``) in offload mode: its TP ranks
+at TP 2 (``mp`` executor, workers unbound: ``e2e.UNBOUND_PD_WORKERS``) in offload mode: its TP ranks
 share ONE host pool (rank 0 created it, rank 1 attached), which holds the main KV, while each
 rank has its own device indexer cache. With P = D = 2 prefill rank r feeds decode rank r; the
 decode ranks pull disjoint parts of each chunk's (replicated) main KV into the shared pool
