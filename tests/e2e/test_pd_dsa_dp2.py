@@ -61,7 +61,7 @@ class PulledPhase:
 class Served:
     want: dict[str, e2e.Answer]        # the DP 1 decode's own answers
     tp1: PulledPhase
-    tp2: PulledPhase | None             # None unless KVO_E2E_HEAVY=1 (e2e.HEAVY_TP2_PD)
+    tp2: PulledPhase | None             # None with KVO_E2E_SKIP_TP2_PD=1 (e2e.HEAVY_TP2_PD)
     kv_port: int
     endpoints: dict[int, str]          # DP rank -> its control endpoint (its stats file)
     pools: set[Path]
